@@ -1,0 +1,40 @@
+# SPACE — the two commands: `make run` (install everything, start the platform) and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA_DIR ?= /var/lib/space
+LISTEN ?= 127.0.0.1:8080
+PYTEST_ARGS ?=
+
+.PHONY: setup system python run test lint typecheck check bench clean-dev
+
+setup: system python  ## install system packages and the Python environment (idempotent)
+
+system:
+	@if [ "$$(id -u)" -ne 0 ]; then sudo bash scripts/setup-system.sh; else bash scripts/setup-system.sh; fi
+
+python: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@# the CLI on PATH for the README walkthrough
+	@if [ -w /usr/local/bin ]; then ln -sf "$$(pwd)/$(VENV)/bin/space" /usr/local/bin/space; fi
+	touch $@
+
+run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
+	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)
+
+test: setup lint typecheck  ## the whole test suite, with real sandboxes
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint:
+	$(VENV)/bin/ruff check space tests bench scripts
+	$(PY) scripts/unasync.py --check
+
+typecheck:
+	$(VENV)/bin/mypy
+
+bench: setup  ## benchmarks: prints a table, saves bench/results/<date>.json and .md
+	$(PY) bench/run

@@ -1,0 +1,33 @@
+"""The public API application."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from space.api import apikeys, commands, files, metrics, sandboxes, templates
+from space.api.state import AppState
+from space.web import install_error_handlers
+
+
+def create_app(state: AppState) -> FastAPI:
+    app = FastAPI(
+        title="SPACE",
+        version="1",
+        description="Sandboxes for long-running AI agents. See docs/api.md.",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.space = state
+    install_error_handlers(app)
+    metrics.install(app)
+    for module in (sandboxes, commands, files, templates, apikeys):
+        app.include_router(module.router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        nodes = await state.store.list_nodes("ready")
+        return {"status": "ok", "nodes": len(nodes)}
+
+    return app

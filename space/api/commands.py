@@ -1,0 +1,131 @@
+"""/v1/sandboxes/{id}/commands: start, list, stream events, stdin, signals, resize."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from space import ids
+from space.api.auth import Principal, attach_token, check_attach_token, principal
+from space.api.dataplane import passthrough, running_sandbox
+from space.api.state import AppState, app_state
+from space.errors import InvalidRequest, PayloadTooLarge, Unauthorized
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/commands")
+
+Auth = Annotated[Principal, Depends(principal)]
+St = Annotated[AppState, Depends(app_state)]
+
+MAX_STDIN = 16 * 1024 * 1024
+
+
+class PtySize(BaseModel):
+    rows: int = Field(24, gt=0, le=1000)
+    cols: int = Field(80, gt=0, le=1000)
+
+
+class StartCommand(BaseModel):
+    cmd: list[str] | None = Field(None, min_length=1, max_length=4096)
+    shell: str | None = Field(None, min_length=1, max_length=1 << 20)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = Field(None, max_length=64)
+    pty: PtySize | None = None
+    stdin: bool = False
+    timeout: float | None = Field(None, gt=0, le=30 * 24 * 3600)
+
+
+class SignalBody(BaseModel):
+    signal: str | int = "SIGTERM"
+
+
+class ResizeBody(BaseModel):
+    rows: int = Field(..., gt=0, le=1000)
+    cols: int = Field(..., gt=0, le=1000)
+
+
+@router.post("", status_code=201)
+async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St) -> JSONResponse:
+    who.require_write()
+    if (body.cmd is None) == (body.shell is None):
+        raise InvalidRequest("give exactly one of 'cmd' (argv list) or 'shell' (string)")
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    cid = ids.command_id()
+    payload = body.model_dump(exclude_none=True)
+    payload["id"] = cid
+    res = await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands", json_body=payload)
+    res["sandbox_id"] = sandbox_id
+    res["attach_token"] = attach_token(st.secret, sandbox_id, cid)
+    return JSONResponse(res, status_code=201)
+
+
+@router.get("")
+async def list_commands(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/commands")
+    return res
+
+
+@router.get("/{cid}")
+async def get_command(sandbox_id: str, cid: str, who: Auth, st: St) -> dict[str, Any]:
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}")
+    return res
+
+
+@router.get("/{cid}/events")
+async def command_events(
+    sandbox_id: str,
+    cid: str,
+    request: Request,
+    st: St,
+    token: str | None = None,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    if token is not None:
+        if not check_attach_token(st.secret, sandbox_id, cid, token):
+            raise Unauthorized("invalid attach token")
+        sb = await st.store.get_sandbox(sandbox_id)
+        tenant = sb.tenant
+    else:
+        tenant = (await principal(request)).tenant
+    _, node = await running_sandbox(st, sandbox_id, tenant)
+    start = after if after is not None else 0
+    if last_event_id and last_event_id.strip().isdigit():
+        start = max(start, int(last_event_id.strip()))
+    resp = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events",
+                                  params={"after": start})
+    return passthrough(resp, "text/event-stream", {"cache-control": "no-store", "x-accel-buffering": "no"})
+
+
+@router.post("/{cid}/stdin", status_code=204)
+async def command_stdin(sandbox_id: str, cid: str, request: Request, who: Auth, st: St,
+                        eof: bool = False) -> Response:
+    who.require_write()
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    data = await request.body()
+    if len(data) > MAX_STDIN:
+        raise PayloadTooLarge(f"stdin writes are limited to {MAX_STDIN} bytes per request", limit=MAX_STDIN)
+    await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/stdin", content=data,
+                    params={"eof": str(eof).lower()})
+    return Response(status_code=204)
+
+
+@router.post("/{cid}/signal", status_code=204)
+async def command_signal(sandbox_id: str, cid: str, body: SignalBody, who: Auth, st: St) -> Response:
+    who.require_write()
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/signal", json_body=body.model_dump())
+    return Response(status_code=204)
+
+
+@router.post("/{cid}/resize", status_code=204)
+async def command_resize(sandbox_id: str, cid: str, body: ResizeBody, who: Auth, st: St) -> Response:
+    who.require_write()
+    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/resize", json_body=body.model_dump())
+    return Response(status_code=204)

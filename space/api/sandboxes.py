@@ -1,0 +1,154 @@
+"""/v1/sandboxes and /v1/operations."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from space import ids
+from space.api import views
+from space.api.auth import Principal, principal
+from space.api.state import AppState, app_state
+from space.errors import InvalidRequest, NotFound
+from space.lifecycle import Action, State, require
+from space.store import Operation, Sandbox
+from space.web import sse
+
+router = APIRouter(prefix="/v1")
+
+Auth = Annotated[Principal, Depends(principal)]
+St = Annotated[AppState, Depends(app_state)]
+
+MAX_ENV = 256
+FINISHED = ("succeeded", "failed")
+
+
+class CreateSandboxBody(BaseModel):
+    template: str = Field("base", min_length=1, max_length=128)
+    cpu: float = Field(1.0, gt=0, le=64)
+    memory_mb: int = Field(512, ge=128, le=262144)
+    env: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+@router.post("/sandboxes", status_code=202)
+async def create_sandbox(
+    body: CreateSandboxBody,
+    who: Auth,
+    st: St,
+    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+) -> JSONResponse:
+    who.require_write()
+    if len(body.env) > MAX_ENV or len(body.metadata) > MAX_ENV:
+        raise InvalidRequest(f"at most {MAX_ENV} env vars and metadata entries")
+    tmpl = await st.store.get_template(body.template)  # 404 for an unknown template
+    if tmpl.status == "failed":
+        raise InvalidRequest(f"template {body.template!r} failed to build; rebuild it first")
+    sid = ids.sandbox_id()
+    sb = Sandbox(
+        id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,
+        cpu=body.cpu, memory_mb=body.memory_mb, env=body.env, meta=body.metadata,
+    )
+    op = Operation(
+        id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
+        idempotency_key=idempotency_key, request=body.model_dump(),
+    )
+    sb, op, created = await st.store.create_sandbox(sb, op)
+    if created:
+        st.controller.wake()
+    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+
+
+@router.get("/sandboxes")
+async def list_sandboxes(who: Auth, st: St, state: str | None = None) -> dict[str, Any]:
+    if state is not None:
+        try:
+            states = [State(state).value]
+        except ValueError:
+            raise InvalidRequest(f"unknown state {state!r}") from None
+    else:
+        states = [s.value for s in State if s != State.TERMINATED]
+    rows = await st.store.list_sandboxes(tenant=who.tenant, states=states)
+    return {"sandboxes": [views.sandbox(sb) for sb in rows]}
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
+    return views.sandbox(await st.store.get_sandbox(sandbox_id, tenant=who.tenant))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=202)
+async def delete_sandbox(
+    sandbox_id: str,
+    who: Auth,
+    st: St,
+    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+) -> JSONResponse:
+    who.require_write()
+    sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
+    existing = await st.store.find_operations(target=sandbox_id, kind="sandbox.delete",
+                                              status=["pending", "running"])
+    if existing:  # deleting twice returns the delete already under way
+        return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(existing[0])},
+                            status_code=202)
+    require(sb.state, Action.DELETE)
+    op = Operation(
+        id=ids.operation_id(), tenant=who.tenant, kind="sandbox.delete", target=sandbox_id, status="pending",
+        idempotency_key=idempotency_key, request={},
+    )
+    op, created = await st.store.create_operation(op)
+    if created:
+        sb = await st.store.set_sandbox_state(sandbox_id, State.TERMINATING)
+        st.controller.wake()
+    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+
+
+@router.get("/operations/{op_id}")
+async def get_operation(
+    op_id: str, who: Auth, st: St, wait: Annotated[float, Query(ge=0, le=60)] = 0
+) -> dict[str, Any]:
+    op = await st.store.get_operation(op_id, tenant=who.tenant if who.role != "admin" else None)
+    deadline = time.monotonic() + wait
+    delay = 0.005
+    while op.status not in FINISHED and time.monotonic() < deadline:
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 1.5, 0.25)
+        op = await st.store.get_operation(op_id)
+    return views.operation(op)
+
+
+@router.get("/operations/{op_id}/logs")
+async def operation_logs(
+    op_id: str,
+    who: Auth,
+    st: St,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    op = await st.store.get_operation(op_id, tenant=who.tenant if who.role != "admin" else None)
+    after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
+
+    async def stream() -> Any:
+        nonlocal after, op
+        while True:
+            lines = await st.store.get_operation_logs(op_id, after=after)
+            for ln in lines:
+                after = ln.seq
+                yield sse("log", {"seq": ln.seq, "line": ln.line}, ln.seq)
+            if not lines:
+                op = await st.store.get_operation(op_id)
+                if op.status in FINISHED:
+                    rest = await st.store.get_operation_logs(op_id, after=after)
+                    if not rest:
+                        yield sse("end", views.operation(op))
+                        return
+                    continue
+                await asyncio.sleep(0.2)
+
+    if op is None:
+        raise NotFound(f"operation {op_id} not found")
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"cache-control": "no-store"})

@@ -1,0 +1,73 @@
+"""Rows → the JSON shapes of docs/api.md (the one place that decides the wire form)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from space.lifecycle import State, allowed_actions
+from space.store import ApiKey, Operation, Sandbox, Template
+
+
+def _ts(v: datetime | None) -> str | None:
+    return v.isoformat() if v is not None else None
+
+
+def sandbox(sb: Sandbox) -> dict[str, Any]:
+    return {
+        "id": sb.id,
+        "tenant": sb.tenant,
+        "template": sb.template,
+        "template_digest": sb.template_digest,
+        "state": sb.state,
+        "cpu": sb.cpu,
+        "memory_mb": sb.memory_mb,
+        "env": sb.env,
+        "metadata": sb.meta,
+        "node_id": sb.node_id,
+        "instance_id": sb.instance_id,
+        "created_at": _ts(sb.created_at),
+        "updated_at": _ts(sb.updated_at),
+        "terminated_at": _ts(sb.terminated_at),
+        "error": {"code": sb.error_code, "message": sb.error_message} if sb.error_code else None,
+        "allowed_actions": allowed_actions(State(sb.state)),
+    }
+
+
+def operation(op: Operation) -> dict[str, Any]:
+    return {
+        "id": op.id,
+        "kind": op.kind,
+        "target": op.target,
+        "status": op.status,
+        "error": {"code": op.error_code, "message": op.error_message} if op.error_code else None,
+        "progress": op.progress,
+        "result": op.result,
+        "attempts": op.attempts,
+        "created_at": _ts(op.created_at),
+        "updated_at": _ts(op.updated_at),
+        "finished_at": _ts(op.finished_at),
+    }
+
+
+def template(t: Template) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "digest": t.digest,
+        "status": t.status,
+        "size_bytes": t.size_bytes,
+        "error": t.error,
+        "created_at": _ts(t.created_at),
+        "updated_at": _ts(t.updated_at),
+    }
+
+
+def apikey(k: ApiKey) -> dict[str, Any]:
+    return {
+        "id": k.id,
+        "tenant": k.tenant,
+        "role": k.role,
+        "name": k.name,
+        "prefix": k.prefix,
+        "created_at": _ts(k.created_at),
+    }

@@ -1,0 +1,1 @@
+"""The ``space`` command line (typer + rich), built on the sync SDK."""

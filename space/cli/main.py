@@ -1,0 +1,53 @@
+"""The ``space`` command: wiring of the command groups and the global options."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated
+
+import typer
+
+from space.cli import apikeys, files, sandbox, templates
+from space.cli import exec as exec_
+from space.cli.context import Settings, SpaceGroup
+
+app = typer.Typer(
+    name="space",
+    cls=SpaceGroup,
+    help="SPACE: sandboxes for AI agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    url: Annotated[str | None, typer.Option("--url", envvar="SPACE_URL", help="Server URL.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="SPACE_API_KEY", help="API key.",
+                                                show_envvar=True)] = None,
+) -> None:
+    ctx.obj = Settings(url=url, api_key=api_key)
+
+
+app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(files.app, name="files")
+app.add_typer(templates.app, name="template")
+app.add_typer(templates.operations_app, name="operation")
+app.add_typer(apikeys.app, name="apikey")
+exec_.register(app)
+
+# Server-side commands (serve, node) live in their own module; a client-only install may lack it.
+if importlib.util.find_spec("space.cli.server") is not None:
+    from space.cli import server
+
+    server.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Server-side commands: ``space serve`` and ``space node run|teardown``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+node_app = typer.Typer(help="Run or clean up a node agent (node-local services).", no_args_is_help=True)
+
+DataDir = Annotated[Path, typer.Option("--data-dir", help="Where SPACE keeps its state.",
+                                       envvar="SPACE_DATA_DIR")]
+CacheDir = Annotated[Path, typer.Option("--cache-dir", help="Host-wide cache of template builds.",
+                                        envvar="SPACE_CACHE_DIR")]
+
+
+def serve(
+    data_dir: DataDir = Path("/var/lib/space"),
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT of the API.", envvar="SPACE_LISTEN")]
+    = "127.0.0.1:8080",
+    database_url: Annotated[str | None, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
+                                                     help="SQLAlchemy URL (default: SQLite in the data dir).")]
+    = None,
+    object_store_url: Annotated[str | None, typer.Option("--object-store-url", envvar="SPACE_OBJECT_STORE_URL")]
+    = None,
+    cache_dir: CacheDir = Path("/var/cache/space"),
+    pool_size_gb: Annotated[int, typer.Option("--pool-size-gb", help="btrfs loop file size.")] = 64,
+    max_upload_mb: Annotated[int, typer.Option("--max-upload-mb", help="Largest file upload.")] = 1024,
+    no_bootstrap: Annotated[bool, typer.Option("--no-bootstrap", help="Don't build 'base' on first start.")]
+    = False,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the whole platform (API, controller, one node) on embedded defaults."""
+    from space import logs
+    from space.config import ServeSettings
+    from space.serve import run
+
+    logs.configure(log_level)
+    run(ServeSettings(
+        data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
+        cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
+        bootstrap_templates=() if no_bootstrap else ("base",),
+    ))
+
+
+@node_app.command("run")
+def node_run(
+    data_dir: DataDir,
+    token_file: Annotated[Path, typer.Option("--token-file", help="File holding the node API token.")],
+    socket: Annotated[Path | None, typer.Option("--socket", help="Serve on this unix socket.")] = None,
+    listen: Annotated[str | None, typer.Option("--listen", help="Serve on HOST:PORT instead.")] = None,
+    node_id: Annotated[str, typer.Option("--node-id")] = "node-1",
+    cache_dir: CacheDir = Path("/var/cache/space"),
+    pool_size_gb: Annotated[int, typer.Option("--pool-size-gb")] = 64,
+    max_upload_bytes: Annotated[int, typer.Option("--max-upload-bytes")] = 1 << 30,
+    die_with_parent: Annotated[bool, typer.Option("--die-with-parent", hidden=True)] = False,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run a node agent."""
+    from space import logs
+    from space.node.main import NodeSettings, run
+
+    if (socket is None) == (listen is None):
+        raise typer.BadParameter("give exactly one of --socket or --listen")
+    logs.configure(log_level)
+    run(NodeSettings(
+        data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
+        node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
+        die_with_parent=die_with_parent,
+    ))
+
+
+@node_app.command("teardown")
+def node_teardown(data_dir: DataDir, cache_dir: CacheDir = Path("/var/cache/space")) -> None:
+    """Delete every sandbox of a node and release its pool (unmount, detach the loop device)."""
+    from space import logs
+    from space.node.main import teardown_node
+
+    logs.configure("warning")
+    if os.geteuid() != 0:
+        raise typer.BadParameter("node teardown needs root")
+    n = asyncio.run(teardown_node(data_dir, cache_dir))
+    typer.echo(f"removed {n} sandbox(es); pool released")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.add_typer(node_app, name="node")

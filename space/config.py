@@ -1,0 +1,34 @@
+"""Settings of the all-in-one server (``space serve``). Flags beat environment beat defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class ServeSettings:
+    #: Everything the server keeps: the SQLite database, admin key, secret, object store, node pool.
+    data_dir: Path
+    #: ``HOST:PORT`` of the public API.
+    listen: str = "127.0.0.1:8080"
+    #: SQLAlchemy URL; default ``sqlite+aiosqlite:///<data_dir>/space.db``.
+    database_url: str | None = None
+    #: Object store: a local directory (default ``<data_dir>/objects``) or an ``s3://`` URL.
+    object_store_url: str | None = None
+    #: Host-wide cache of debootstrap downloads and exported template streams.
+    cache_dir: Path = Path("/var/cache/space")
+    #: Size of the node's btrfs loop file when the data dir is not on btrfs.
+    pool_size_gb: int = 64
+    #: Largest accepted file upload, in bytes (413 beyond).
+    max_upload_bytes: int = 1 << 30
+    #: Templates built on first start when missing (``make run`` wants ``base`` ready).
+    bootstrap_templates: tuple[str, ...] = ("base",)
+    #: Operation lease: how long a crashed controller's claim blocks a retry.
+    lease_seconds: float = 10.0
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve() / 'space.db'}"
+
+    def resolved_object_store_url(self) -> str:
+        return self.object_store_url or str(self.data_dir.resolve() / "objects")

@@ -1,0 +1,298 @@
+"""The controller: carries out operations and reconciles desired state (SQL) with live state (nodes).
+
+It holds nothing in memory that matters. Operations are claimed with a lease that is renewed while
+they run; a controller that dies mid-operation leaves a lease that expires, and the next claim runs
+the handler again. Every handler is therefore idempotent: it looks at the rows and the node, and
+finishes whatever is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from space import ids
+from space.errors import Conflict, InvalidState, NotFound, SpaceError, Unavailable
+from space.lifecycle import State
+from space.controller.nodes import NodeRegistry
+from space.store import Operation, Store
+
+log = structlog.get_logger("space.controller")
+
+Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
+
+#: How many times a retryable failure (node unreachable, timeout) is retried before giving up.
+MAX_ATTEMPTS = 5
+
+
+class Controller:
+    def __init__(
+        self,
+        store: Store,
+        nodes: NodeRegistry,
+        *,
+        lease_seconds: float = 10.0,
+        concurrency: int = 16,
+        reconcile_every: float = 15.0,
+        template_specs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.owner = "ctl-" + ids.token(6)
+        self.lease_seconds = lease_seconds
+        self.reconcile_every = reconcile_every
+        self.template_specs = template_specs or {}
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[asyncio.Task[None]] = set()
+        self._handlers: dict[str, Handler] = {
+            "sandbox.create": self._create_sandbox,
+            "sandbox.delete": self._delete_sandbox,
+            "template.build": self._build_template,
+        }
+
+    def wake(self) -> None:
+        """Tell the loop that a new operation is waiting (saves the poll interval)."""
+        self._wake.set()
+
+    # -- main loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        log.info("controller.started", owner=self.owner)
+        last_reconcile = 0.0
+        try:
+            while True:
+                claimed = await self._claim_some()
+                now = time.monotonic()
+                if now - last_reconcile >= self.reconcile_every:
+                    last_reconcile = now
+                    try:
+                        await self.reconcile()
+                    except SpaceError as exc:
+                        log.warning("controller.reconcile_failed", error=str(exc))
+                if not claimed:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+        finally:
+            for t in list(self._running):
+                t.cancel()
+            if self._running:
+                await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _claim_some(self) -> bool:
+        claimed_any = False
+        while not self._slots.locked():
+            op = await self.store.claim_operation(self.owner, self.lease_seconds)
+            if op is None:
+                break
+            claimed_any = True
+            await self._slots.acquire()
+            task = asyncio.create_task(self._execute(op), name=f"op:{op.id}")
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        return claimed_any
+
+    async def _execute(self, op: Operation) -> None:
+        renew = asyncio.create_task(self._renew(op.id))
+        bound = log.bind(op=op.id, kind=op.kind, target=op.target, attempt=op.attempts)
+        t0 = time.perf_counter()
+        try:
+            handler = self._handlers.get(op.kind)
+            if handler is None:
+                await self.store.finish_operation(op.id, "failed", error_code="internal",
+                                                  error_message=f"unknown operation kind {op.kind}")
+                return
+            try:
+                result = await handler(op)
+            except SpaceError as exc:
+                if exc.retryable and op.attempts < MAX_ATTEMPTS:
+                    bound.warning("operation.retry", error=str(exc))
+                    # Leave it running: the lease expires and a later claim retries it.
+                    renew.cancel()
+                    return
+                bound.warning("operation.failed", error=str(exc))
+                await self._on_failure(op, exc)
+                await self.store.finish_operation(op.id, "failed", error_code=exc.code,
+                                                  error_message=exc.message)
+                return
+            except Exception as exc:
+                bound.exception("operation.crashed")
+                err = SpaceError(f"unexpected error: {exc!r}")
+                await self._on_failure(op, err)
+                await self.store.finish_operation(op.id, "failed", error_code="internal",
+                                                  error_message=err.message)
+                return
+            await self.store.finish_operation(op.id, "succeeded", result=result or {})
+            bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
+        finally:
+            renew.cancel()
+            self._slots.release()
+
+    async def _renew(self, op_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            if not await self.store.renew_lease(op_id, self.owner, self.lease_seconds):
+                log.warning("operation.lease_lost", op=op_id)
+                return
+
+    async def _on_failure(self, op: Operation, exc: SpaceError) -> None:
+        if op.kind == "sandbox.create":
+            with contextlib.suppress(SpaceError):
+                await self.store.set_sandbox_state(op.target, State.FAILED, expect=[State.CREATING],
+                                                   error_code=exc.code, error_message=exc.message)
+        elif op.kind == "sandbox.delete":
+            with contextlib.suppress(SpaceError):
+                await self.store.set_sandbox_state(op.target, State.FAILED, expect=[State.TERMINATING],
+                                                   error_code=exc.code, error_message=exc.message)
+        elif op.kind == "template.build":
+            with contextlib.suppress(SpaceError):
+                t = await self.store.get_template(op.target)
+                await self.store.upsert_template(op.target, digest=t.digest, status="failed", spec=t.spec,
+                                                 error=exc.message)
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    async def _create_sandbox(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.CREATING:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; it was deleted while being created",
+                           state=sb.state)
+        await self._wait_template(op, sb.template)
+        if sb.node_id is None:
+            node = await self.nodes.schedule()
+            sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
+        else:
+            node = await self.nodes.client(sb.node_id)
+        info = await node.call(
+            "PUT", f"/v1/sandboxes/{sb.id}",
+            json_body={"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env},
+        )
+        try:
+            await self.store.set_sandbox_state(
+                sb.id, State.RUNNING, expect=[State.CREATING],
+                instance_id=info.get("instance_id"), template_digest=info.get("template_digest"),
+            )
+        except InvalidState:
+            # Deleted meanwhile: the delete operation removes it from the node.
+            raise Conflict(f"sandbox {sb.id} was deleted while being created") from None
+        return {"sandbox_id": sb.id, "node_id": node.node_id, "timings": info.get("timings", {})}
+
+    async def _wait_template(self, op: Operation, name: str, timeout: float = 1800.0) -> None:
+        """A create that arrives while its template is still building waits for the build."""
+        deadline = time.monotonic() + timeout
+        while True:
+            t = await self.store.get_template(name)
+            if t.status == "ready":
+                return
+            if t.status == "failed":
+                raise Unavailable(f"template {name!r} failed to build: {t.error}")
+            if time.monotonic() > deadline:
+                raise Unavailable(f"template {name!r} is still building")
+            await self.store.set_operation_progress(op.id, {"message": f"waiting for template {name}"})
+            await asyncio.sleep(1.0)
+
+    async def _delete_sandbox(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.TERMINATED:
+            return {"sandbox_id": sb.id}
+        if sb.node_id is not None:
+            node = await self.nodes.client(sb.node_id)
+            await node.call("DELETE", f"/v1/sandboxes/{sb.id}")
+        await self.store.set_sandbox_state(sb.id, State.TERMINATED)
+        return {"sandbox_id": sb.id}
+
+    async def _build_template(self, op: Operation) -> dict[str, Any]:
+        spec = dict(op.request.get("spec") or self.template_specs.get(op.target) or {})
+        if not spec:
+            raise NotFound(f"no spec for template {op.target!r}")
+        force = bool(op.request.get("force", False))
+        nodes = await self.nodes.ready_nodes()
+        if not nodes:
+            raise Unavailable("no ready node to build the template on")
+        result: dict[str, Any] = {}
+        for node in nodes:
+            pending: list[str] = []
+            last_flush = time.monotonic()
+            async for item in node.ensure_template(spec, force=force):
+                if "log" in item:
+                    pending.append(str(item["log"]))
+                    if len(pending) >= 20 or time.monotonic() - last_flush > 0.5:
+                        await self.store.append_operation_logs(op.id, pending)
+                        await self.store.set_operation_progress(op.id, {"message": pending[-1]})
+                        pending, last_flush = [], time.monotonic()
+                elif "error" in item:
+                    if pending:
+                        await self.store.append_operation_logs(op.id, pending)
+                    err = item["error"]
+                    raise SpaceError(f"node {node.node_id}: {err.get('message')}")
+                elif "template" in item:
+                    result = item["template"]
+            if pending:
+                await self.store.append_operation_logs(op.id, pending)
+        await self.store.upsert_template(op.target, digest=str(result.get("digest")), status="ready",
+                                         spec=spec, size_bytes=result.get("size_bytes"))
+        await self.store.append_operation_logs(op.id, [f"template {op.target} ready: {result.get('digest')}"])
+        return {"template": op.target, "digest": result.get("digest")}
+
+    # -- reconciliation ---------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Converge nodes with the database: remove what nobody wants, flag what died."""
+        for node_row in await self.store.list_nodes("ready"):
+            try:
+                node = await self.nodes.client(node_row.id)
+                live = (await node.call("GET", "/v1/sandboxes"))["sandboxes"]
+            except SpaceError as exc:
+                log.warning("reconcile.node_unreachable", node=node_row.id, error=str(exc))
+                continue
+            wanted = {sb.id: sb for sb in await self.store.list_sandboxes(node_id=node_row.id)}
+            busy = {op.target for op in await self.store.find_operations(status=["pending", "running"])}
+            for item in live:
+                sid = item["id"]
+                sb = wanted.get(sid)
+                if sid in busy:
+                    continue
+                if sb is None or sb.state in (State.TERMINATED, State.FAILED):
+                    log.info("reconcile.remove_unwanted", node=node_row.id, sandbox=sid)
+                    with contextlib.suppress(SpaceError):
+                        await node.call("DELETE", f"/v1/sandboxes/{sid}")
+                elif item.get("status") == "dead" and sb.state == State.RUNNING:
+                    log.warning("reconcile.sandbox_died", sandbox=sid)
+                    with contextlib.suppress(SpaceError):
+                        await self.store.set_sandbox_state(
+                            sid, State.FAILED, expect=[State.RUNNING], error_code="runtime_error",
+                            error_message="the sandbox's runtime instance died",
+                        )
+            present = {item["id"] for item in live}
+            for sid, sb in wanted.items():
+                if sb.state in (State.RUNNING, State.PAUSED) and sid not in present and sid not in busy:
+                    log.warning("reconcile.sandbox_missing", sandbox=sid)
+                    with contextlib.suppress(SpaceError):
+                        await self.store.set_sandbox_state(
+                            sid, State.FAILED, expect=[sb.state], error_code="runtime_error",
+                            error_message="the sandbox is gone from its node",
+                        )
+
+    async def sync_templates(self) -> None:
+        """Templates present on nodes become known to the control plane (e.g. a reused pool)."""
+        known = {t.name: t for t in await self.store.list_templates()}
+        for node in await self.nodes.ready_nodes():
+            try:
+                items = (await node.call("GET", "/v1/templates"))["templates"]
+            except SpaceError:
+                continue
+            for t in items:
+                cur = known.get(t["name"])
+                if cur is None or cur.status != "ready":
+                    spec = self.template_specs.get(t["name"], {})
+                    await self.store.upsert_template(t["name"], digest=t["digest"], status="ready", spec=spec,
+                                                     size_bytes=t.get("size_bytes"))
+
+
+__all__ = ["Controller"]

@@ -1,0 +1,164 @@
+"""The one error hierarchy of SPACE, shared by the API, the node agent and the SDK.
+
+Every error carries a stable machine-readable ``code``, the HTTP ``status`` it maps to and whether a
+retry may succeed. On the wire it is ``{"error": {"code", "message", ...details}}``; the SDK turns
+that body back into the same class with :func:`from_wire`.
+
+    SpaceError
+    ├── InvalidRequest        400 invalid_request
+    │   └── InvalidPath       400 invalid_path
+    ├── Unauthorized          401 unauthorized
+    ├── Forbidden             403 forbidden
+    ├── NotFound              404 not_found
+    ├── Conflict              409 conflict
+    │   └── InvalidState      409 invalid_state   (names the state and the allowed actions)
+    ├── PayloadTooLarge       413 too_large
+    ├── ValidationFailed      422 validation_failed
+    ├── QuotaExceeded         429 quota_exceeded
+    ├── RuntimeFailure        500 runtime_error
+    ├── Internal              500 internal
+    ├── Unavailable           503 unavailable     (retryable)
+    └── Timeout               504 timeout         (retryable)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class SpaceError(Exception):
+    """Root of every error SPACE raises on purpose."""
+
+    code: ClassVar[str] = "error"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        body.update(self.details)
+        return {"error": body}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class InvalidRequest(SpaceError):
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidPath(InvalidRequest):
+    code = "invalid_path"
+
+
+class Unauthorized(SpaceError):
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(SpaceError):
+    code = "forbidden"
+    status = 403
+
+
+class NotFound(SpaceError):
+    code = "not_found"
+    status = 404
+
+
+class Conflict(SpaceError):
+    code = "conflict"
+    status = 409
+
+
+class InvalidState(Conflict):
+    """An action the sandbox's current state does not allow."""
+
+    code = "invalid_state"
+
+    def __init__(self, message: str, *, state: str, allowed: list[str], **details: Any) -> None:
+        super().__init__(message, state=state, allowed=allowed, **details)
+        self.state = state
+        self.allowed = allowed
+
+
+class PayloadTooLarge(SpaceError):
+    code = "too_large"
+    status = 413
+
+
+class ValidationFailed(SpaceError):
+    code = "validation_failed"
+    status = 422
+
+
+class QuotaExceeded(SpaceError):
+    code = "quota_exceeded"
+    status = 429
+
+
+class RuntimeFailure(SpaceError):
+    """The sandbox runtime (runsc, btrfs, the guest) failed to do what it was asked."""
+
+    code = "runtime_error"
+    status = 500
+
+
+class Internal(SpaceError):
+    code = "internal"
+    status = 500
+
+
+class Unavailable(SpaceError):
+    code = "unavailable"
+    status = 503
+    retryable = True
+
+
+class Timeout(SpaceError):
+    code = "timeout"
+    status = 504
+    retryable = True
+
+
+def _all_subclasses(cls: type[SpaceError]) -> list[type[SpaceError]]:
+    out: list[type[SpaceError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+BY_CODE: dict[str, type[SpaceError]] = {c.code: c for c in _all_subclasses(SpaceError)}
+
+
+def from_wire(status: int, body: Any) -> SpaceError:
+    """Rebuild the error a server sent; unknown codes fall back by HTTP status."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return _by_status(status)(f"HTTP {status}: {str(body)[:200]}")
+    details = {k: v for k, v in err.items() if k not in ("code", "message")}
+    message = str(err.get("message", ""))
+    cls = BY_CODE.get(str(err.get("code")), _by_status(status))
+    if cls is InvalidState:
+        return InvalidState(
+            message,
+            state=str(details.pop("state", "unknown")),
+            allowed=list(details.pop("allowed", [])),
+            **details,
+        )
+    exc = cls(message, **details)
+    return exc
+
+
+def _by_status(status: int) -> type[SpaceError]:
+    for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
+                ValidationFailed, QuotaExceeded, Unavailable, Timeout):
+        if cls.status == status:
+            return cls
+    return Internal

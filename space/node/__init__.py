@@ -1,0 +1,1 @@
+"""Node-local services: the node agent, its storage (btrfs pool, templates) and sandbox manager."""

@@ -1,0 +1,359 @@
+"""The node API: how the control plane drives a node (HTTP over a unix socket or TCP, bearer token).
+
+It is internal: requests arrive already authorized for a tenant by the control plane, so the node
+checks only that the caller holds the node token. Shapes follow the public API (docs/api.md) so the
+control plane can pass streams through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal as signal_mod
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from space import ids, paths
+from space.errors import InvalidRequest, NotFound, PayloadTooLarge, SpaceError, Unauthorized
+from space.guest.protocol import MAX_PAYLOAD
+from space.node.sandboxes import LocalSandbox, SandboxManager
+from space.node.templates import TemplateStore
+from space.web import guest_event_to_sse, install_error_handlers
+
+log = structlog.get_logger("space.node.api")
+
+
+class CreateSandbox(BaseModel):
+    template: str
+    cpu: float = Field(1.0, gt=0, le=64)
+    memory_mb: int = Field(512, ge=64, le=262144)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class ExecRequest(BaseModel):
+    id: str | None = None
+    cmd: list[str] | None = None
+    shell: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    pty: dict[str, int] | None = None
+    stdin: bool = False
+    timeout: float | None = Field(None, gt=0)
+    buffer_bytes: int | None = Field(None, gt=0, le=64 * 1024 * 1024)
+
+
+class SignalRequest(BaseModel):
+    signal: str | int = "SIGTERM"
+
+
+class ResizeRequest(BaseModel):
+    rows: int = Field(..., gt=0, le=1000)
+    cols: int = Field(..., gt=0, le=1000)
+
+
+class PathRequest(BaseModel):
+    path: str
+
+
+class MoveRequest(BaseModel):
+    src: str
+    dst: str
+
+
+class EnsureTemplate(BaseModel):
+    spec: dict[str, Any]
+    force: bool = False
+
+
+def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
+    return {
+        "id": sb.id,
+        "status": sb.status,
+        "template": sb.template,
+        "template_digest": sb.template_digest,
+        "instance_id": sb.instance_id,
+        "cpu": sb.cpu,
+        "memory_mb": sb.memory_mb,
+        "created_at": sb.created_at,
+        "timings": sb.timings,
+    }
+
+
+def create_node_app(
+    *,
+    node_id: str,
+    token: str,
+    manager: SandboxManager,
+    templates: TemplateStore,
+    max_upload_bytes: int,
+) -> FastAPI:
+    app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    async def auth(request: Request) -> None:
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("missing or wrong node token")
+
+    r = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+
+    @r.get("/node")
+    async def node_info() -> dict[str, Any]:
+        usage = await manager.pool.usage()
+        return {
+            "id": node_id,
+            "sandboxes": len(manager.list()),
+            "templates": [t.name for t in await templates.list()],
+            "pool": usage,
+        }
+
+    # -- templates -------------------------------------------------------------------------
+
+    @r.get("/templates")
+    async def list_templates() -> dict[str, Any]:
+        return {"templates": [_template_view(t) for t in await templates.list()]}
+
+    @r.post("/templates/ensure")
+    async def ensure_template(body: EnsureTemplate) -> StreamingResponse:
+        """Builds or fetches a template; streams NDJSON progress lines, then the result line."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def progress(line: str) -> None:
+            await queue.put(json.dumps({"log": line}).encode() + b"\n")
+
+        async def work() -> None:
+            try:
+                info = await templates.ensure(body.spec, on_progress=progress, force=body.force)
+                await queue.put(json.dumps({"template": _template_view(info)}).encode() + b"\n")
+            except SpaceError as exc:
+                await queue.put(json.dumps(exc.to_wire()).encode() + b"\n")
+            except Exception as exc:  # the stream is already 200: report in-band
+                log.exception("template.ensure_failed")
+                await queue.put(json.dumps({"error": {"code": "internal", "message": repr(exc)}}).encode() + b"\n")
+            finally:
+                await queue.put(None)
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            task = asyncio.create_task(work())
+            try:
+                while (item := await queue.get()) is not None:
+                    yield item
+            finally:
+                if not task.done():
+                    # A dropped caller must not abandon a half-built template: let it finish.
+                    await asyncio.shield(task)
+
+        return StreamingResponse(body_iter(), media_type="application/x-ndjson")
+
+    # -- sandboxes -------------------------------------------------------------------------
+
+    @r.get("/sandboxes")
+    async def list_sandboxes() -> dict[str, Any]:
+        return {"sandboxes": [sandbox_view(sb) for sb in manager.list()]}
+
+    @r.put("/sandboxes/{sandbox_id}")
+    async def create_sandbox(sandbox_id: str, body: CreateSandbox) -> dict[str, Any]:
+        sb = await manager.create(
+            sandbox_id, template=body.template, cpu=body.cpu, memory_mb=body.memory_mb, env=body.env
+        )
+        return sandbox_view(sb)
+
+    @r.get("/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
+        return sandbox_view(manager.get(sandbox_id))
+
+    @r.delete("/sandboxes/{sandbox_id}", status_code=204)
+    async def delete_sandbox(sandbox_id: str) -> Response:
+        await manager.delete(sandbox_id)
+        return Response(status_code=204)
+
+    @r.get("/sandboxes/{sandbox_id}/activity")
+    async def activity(sandbox_id: str) -> dict[str, Any]:
+        return await manager.activity(sandbox_id)
+
+    # -- commands --------------------------------------------------------------------------
+
+    @r.post("/sandboxes/{sandbox_id}/commands", status_code=201)
+    async def start_command(sandbox_id: str, body: ExecRequest) -> dict[str, Any]:
+        if (body.cmd is None) == (body.shell is None):
+            raise InvalidRequest("give exactly one of 'cmd' (argv list) or 'shell' (string)")
+        if body.cmd is not None and not body.cmd:
+            raise InvalidRequest("'cmd' must not be empty")
+        sb = manager.get(sandbox_id)
+        conn = await manager.guest(sandbox_id)
+        cid = body.id or ids.command_id()
+        args: dict[str, Any] = {
+            "cmd": cid,
+            "argv": body.cmd,
+            "shell": body.shell,
+            "env": {**sb.env, **body.env},
+            "cwd": body.cwd,
+            "user": body.user if body.user is not None else sb.user,
+            "pty": body.pty,
+            "stdin": body.stdin,
+            "timeout": body.timeout,
+        }
+        if body.buffer_bytes:
+            args["buffer_bytes"] = body.buffer_bytes
+        res = await conn.request("exec", **args)
+        argv = body.cmd if body.cmd is not None else ["/bin/bash", "-lc", body.shell or ""]
+        return {"id": cid, "pid": res.get("pid"), "argv": argv, "state": "running",
+                "started_at": res.get("started_at")}
+
+    @r.get("/sandboxes/{sandbox_id}/commands")
+    async def list_commands(sandbox_id: str) -> dict[str, Any]:
+        conn = await manager.guest(sandbox_id)
+        res = await conn.request("list")
+        return {"commands": res.get("commands", [])}
+
+    @r.get("/sandboxes/{sandbox_id}/commands/{cid}")
+    async def get_command(sandbox_id: str, cid: str) -> dict[str, Any]:
+        conn = await manager.guest(sandbox_id)
+        for c in (await conn.request("list")).get("commands", []):
+            if c.get("id") == cid:
+                return dict(c)
+        raise NotFound(f"command {cid} not found", command_id=cid)
+
+    @r.get("/sandboxes/{sandbox_id}/commands/{cid}/events")
+    async def command_events(sandbox_id: str, cid: str, after: int = 0) -> StreamingResponse:
+        conn = await manager.guest(sandbox_id)
+        events = conn.events(cid, after=after)
+        # Pull the first event before answering so that an unknown command is a clean 404.
+        first = await anext(aiter(events), None)
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            try:
+                if first is None:
+                    return
+                yield guest_event_to_sse(*first)
+                async for header, payload in events:
+                    yield guest_event_to_sse(header, payload)
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(body_iter(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store"})
+
+    @r.post("/sandboxes/{sandbox_id}/commands/{cid}/stdin", status_code=204)
+    async def command_stdin(sandbox_id: str, cid: str, request: Request, eof: bool = False) -> Response:
+        conn = await manager.guest(sandbox_id)
+        data = await request.body()
+        if len(data) > 16 * 1024 * 1024:
+            raise PayloadTooLarge("stdin writes are limited to 16 MiB per request")
+        chunks = [data[i : i + MAX_PAYLOAD] for i in range(0, len(data), MAX_PAYLOAD)] or [b""]
+        for i, chunk in enumerate(chunks):
+            await conn.request("stdin", chunk, cmd=cid, eof=eof and i == len(chunks) - 1)
+        return Response(status_code=204)
+
+    @r.post("/sandboxes/{sandbox_id}/commands/{cid}/signal", status_code=204)
+    async def command_signal(sandbox_id: str, cid: str, body: SignalRequest) -> Response:
+        sig = body.signal
+        if isinstance(sig, str):
+            name = sig.upper() if sig.upper().startswith("SIG") else "SIG" + sig.upper()
+            if not hasattr(signal_mod, name):
+                raise InvalidRequest(f"unknown signal {sig!r}")
+        conn = await manager.guest(sandbox_id)
+        await conn.request("signal", cmd=cid, signal=sig)
+        return Response(status_code=204)
+
+    @r.post("/sandboxes/{sandbox_id}/commands/{cid}/resize", status_code=204)
+    async def command_resize(sandbox_id: str, cid: str, body: ResizeRequest) -> Response:
+        conn = await manager.guest(sandbox_id)
+        await conn.request("resize", cmd=cid, rows=body.rows, cols=body.cols)
+        return Response(status_code=204)
+
+    # -- files -----------------------------------------------------------------------------
+
+    @r.get("/sandboxes/{sandbox_id}/files")
+    async def read_file(sandbox_id: str, path: str) -> StreamingResponse:
+        p = paths.normalize(path)
+        conn = await manager.guest(sandbox_id)
+        stream = conn.stream("fs.read", path=p)
+        it = aiter(stream)
+        first = await anext(it, None)  # errors (not found, a directory) surface before the 200
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            try:
+                if first is None:
+                    return
+                yield first[1]
+                async for _, payload in it:
+                    yield payload
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(body_iter(), media_type="application/octet-stream")
+
+    @r.put("/sandboxes/{sandbox_id}/files")
+    async def write_file(sandbox_id: str, path: str, request: Request) -> dict[str, Any]:
+        p = paths.normalize(path)
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > max_upload_bytes:
+            raise PayloadTooLarge(f"upload larger than the limit of {max_upload_bytes} bytes",
+                                  limit=max_upload_bytes)
+        conn = await manager.guest(sandbox_id)
+        sb = manager.get(sandbox_id)
+
+        async def limited() -> AsyncIterator[bytes]:
+            total = 0
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > max_upload_bytes:
+                    raise PayloadTooLarge(f"upload larger than the limit of {max_upload_bytes} bytes",
+                                          limit=max_upload_bytes)
+                yield chunk
+
+        res = await conn.upload("fs.write", limited(), path=p, user=sb.user)
+        return dict(res.get("entry", {}))
+
+    @r.get("/sandboxes/{sandbox_id}/files/list")
+    async def list_files(sandbox_id: str, path: str, depth: int = 1) -> dict[str, Any]:
+        if not 1 <= depth <= 32:
+            raise InvalidRequest("depth must be between 1 and 32")
+        conn = await manager.guest(sandbox_id)
+        res = await conn.request("fs.list", path=paths.normalize(path), depth=depth)
+        return {"entries": res.get("entries", [])}
+
+    @r.get("/sandboxes/{sandbox_id}/files/stat")
+    async def stat_file(sandbox_id: str, path: str) -> dict[str, Any]:
+        conn = await manager.guest(sandbox_id)
+        res = await conn.request("fs.stat", path=paths.normalize(path))
+        return dict(res.get("entry", {}))
+
+    @r.post("/sandboxes/{sandbox_id}/files/mkdir")
+    async def mkdir(sandbox_id: str, body: PathRequest) -> dict[str, Any]:
+        conn = await manager.guest(sandbox_id)
+        sb = manager.get(sandbox_id)
+        res = await conn.request("fs.mkdir", path=paths.normalize(body.path), parents=True, user=sb.user)
+        return dict(res.get("entry", {}))
+
+    @r.post("/sandboxes/{sandbox_id}/files/move")
+    async def move(sandbox_id: str, body: MoveRequest) -> dict[str, Any]:
+        conn = await manager.guest(sandbox_id)
+        res = await conn.request("fs.move", src=paths.normalize(body.src), dst=paths.normalize(body.dst))
+        return dict(res.get("entry", {}))
+
+    @r.delete("/sandboxes/{sandbox_id}/files", status_code=204)
+    async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
+        conn = await manager.guest(sandbox_id)
+        await conn.request("fs.remove", path=paths.normalize(path), recursive=recursive)
+        return Response(status_code=204)
+
+    app.include_router(r)
+    return app
+
+
+def _template_view(t: Any) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "digest": t.digest,
+        "size_bytes": getattr(t, "size_bytes", None),
+        "created_at": str(getattr(t, "created_at", "")),
+    }

@@ -1,0 +1,86 @@
+"""The control plane's client for a node API (HTTP over a unix socket or TCP)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from space.errors import SpaceError, Unavailable, from_wire
+from space.errors import Timeout as SpaceTimeout
+
+
+class NodeClient:
+    def __init__(self, node_id: str, url: str, token: str, *, timeout: float = 120.0) -> None:
+        self.node_id = node_id
+        self.url = url
+        if url.startswith("unix://"):
+            transport = httpx.AsyncHTTPTransport(uds=url[len("unix://"):])
+            base = "http://node"
+        else:
+            transport = httpx.AsyncHTTPTransport()
+            base = url
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            base_url=base,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout, connect=5.0),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def call(self, method: str, path: str, *, json_body: Any = None,
+                   params: dict[str, Any] | None = None, content: Any = None,
+                   headers: dict[str, str] | None = None, timeout: float | None = None) -> Any:
+        try:
+            resp = await self._http.request(
+                method, path, json=json_body, params=params, content=content, headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.TimeoutException as exc:
+            raise SpaceTimeout(f"node {self.node_id} timed out: {exc!r}") from None
+        except httpx.TransportError as exc:
+            raise Unavailable(f"node {self.node_id} unreachable: {exc!r}") from None
+        if resp.status_code >= 400:
+            raise _error(resp.status_code, resp.content)
+        if resp.status_code == 204 or not resp.content:
+            return None
+        return resp.json()
+
+    async def open_stream(self, method: str, path: str, *, params: dict[str, Any] | None = None,
+                          content: Any = None, headers: dict[str, str] | None = None) -> httpx.Response:
+        """Start a streaming request; the caller iterates ``aiter_raw()`` and must ``aclose()``."""
+        req = self._http.build_request(method, path, params=params, content=content, headers=headers,
+                                       timeout=httpx.Timeout(None, connect=5.0))
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"node {self.node_id} unreachable: {exc!r}") from None
+        if resp.status_code >= 400:
+            body = await resp.aread()
+            await resp.aclose()
+            raise _error(resp.status_code, body)
+        return resp
+
+    async def ensure_template(self, spec: dict[str, Any], *, force: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Yield the node's NDJSON progress objects ({"log"} lines, then {"template"} or {"error"})."""
+        resp = await self.open_stream("POST", "/v1/templates/ensure",
+                                      content=json.dumps({"spec": spec, "force": force}).encode(),
+                                      headers={"content-type": "application/json"})
+        try:
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            await resp.aclose()
+
+
+def _error(status: int, body: bytes) -> SpaceError:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = body.decode(errors="replace")
+    return from_wire(status, parsed)

@@ -1,0 +1,131 @@
+"""The node agent process: opens the pool, adopts live sandboxes, serves the node API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from space import guest as guest_pkg
+from space.node.app import create_node_app
+from space.node.pool import Pool
+from space.node.sandboxes import SandboxManager
+from space.node.templates import TemplateStore
+from space.runtime.gvisor import GVisorDriver
+
+log = structlog.get_logger("space.node")
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass
+class NodeSettings:
+    """How one node agent runs."""
+
+    #: Where the node keeps its pool (``pool.img`` + mount), runsc state and logs.
+    data_dir: Path
+    #: Unix socket to serve the node API on (all-in-one mode), or None with ``listen``.
+    socket: Path | None
+    #: ``HOST:PORT`` to serve on instead of a socket (multi-node).
+    listen: str | None
+    #: Bearer token the control plane must present.
+    token: str
+    node_id: str = "node-1"
+    #: Host-wide cache of debootstrap downloads and exported template streams.
+    cache_dir: Path = Path("/var/cache/space")
+    pool_size_gb: int = 64
+    max_upload_bytes: int = 1 << 30
+    #: Die with the parent process (``space serve``); sandboxes survive in their own sessions.
+    die_with_parent: bool = False
+
+
+def channel_dir_for(data_dir: Path) -> Path:
+    """Shim sockets live in a short path: unix socket paths are limited to 107 bytes."""
+    import hashlib
+
+    h = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+    return Path("/run/space") / h
+
+
+def guest_dir() -> Path:
+    return Path(guest_pkg.__file__).resolve().parent
+
+
+async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager]:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
+    templates = TemplateStore(pool, settings.cache_dir)
+    driver = GVisorDriver(settings.data_dir / "runsc")
+    manager = SandboxManager(
+        pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir)
+    )
+    await manager.recover()
+    return pool, templates, manager
+
+
+async def serve_node(settings: NodeSettings) -> None:
+    if settings.die_with_parent:
+        _die_with_parent()
+    _pool, templates, manager = await build_node(settings)
+    app = create_node_app(
+        node_id=settings.node_id,
+        token=settings.token,
+        manager=manager,
+        templates=templates,
+        max_upload_bytes=settings.max_upload_bytes,
+    )
+    if settings.socket is not None:
+        # uvicorn makes the socket world-writable: the 0700 directory is what guards it.
+        settings.socket.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(settings.socket.parent, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            settings.socket.unlink()
+        config = uvicorn.Config(app, uds=str(settings.socket), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+    else:
+        assert settings.listen
+        host, _, port = settings.listen.rpartition(":")
+        config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
+    try:
+        await server.serve()
+    finally:
+        await manager.close()
+
+
+async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:
+    """Remove every sandbox of this node and release its pool (unmount, detach the loop device)."""
+    pool = await Pool.open(data_dir)
+    driver = GVisorDriver(data_dir / "runsc")
+    manager = SandboxManager(
+        pool, TemplateStore(pool, cache_dir), driver, guest_dir=guest_dir(),
+        channel_dir=channel_dir_for(data_dir),
+    )
+    await manager.recover()
+    n = 0
+    for sb in manager.list():
+        await manager.delete(sb.id)
+        n += 1
+    await manager.close()
+    await pool.teardown()
+    return n
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(settings: NodeSettings) -> None:
+    asyncio.run(serve_node(settings))

@@ -1,0 +1,455 @@
+"""The node's one btrfs filesystem: templates, sandbox roots and their snapshots all live in it.
+
+Layout under :attr:`Pool.root`::
+
+    templates/<name>@<digest16>        read-only subvolume (a template)
+    templates/<name>@<digest16>.json   its manifest, written once the template is complete
+    sandboxes/<id>/                    plain directory: rootfs subvolume, snapshots/*, bundle/, state
+    tmp/                               work in progress (builds); anything here may be deleted
+
+Where the filesystem comes from, in order: something already mounted at ``<data_dir>/pool``; a
+``data_dir`` that is itself on btrfs (the pool is then a plain directory in it); a dedicated
+``device``; else a sparse loop file ``<data_dir>/pool.img`` created on first start. Opening is
+idempotent and serialized by a lock file, so a restart after a crash adopts the existing mount or
+loop device instead of leaking a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import structlog
+
+from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure
+from space.node import privileged
+
+log = structlog.get_logger(__name__)
+
+AREAS = ("templates", "sandboxes", "tmp")
+MOUNT_OPTIONS = "noatime"
+#: Inode number of every subvolume's root directory (BTRFS_FIRST_FREE_OBJECTID).
+_SUBVOLUME_INO = 256
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class PoolKind(StrEnum):
+    LOOP = "loop"  # we attach and mount <data_dir>/pool.img
+    DEVICE = "device"  # we mount a dedicated block device
+    DIRECTORY = "directory"  # data_dir already is on btrfs: nothing to mount
+    MOUNTED = "mounted"  # someone else mounted a btrfs at <data_dir>/pool: never unmount it
+
+
+@contextlib.asynccontextmanager
+async def file_lock(
+    path: Path, *, on_contended: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[None]:
+    """Exclusive ``flock`` on ``path`` across processes, waited for in a thread.
+
+    ``on_contended`` runs once if another holder makes us wait. Closing the descriptor releases the
+    lock, also when the process dies, so a crash never leaves a stale lock behind.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        contended = False
+    except BlockingIOError:
+        contended = True
+    except BaseException:
+        os.close(fd)
+        raise
+    if contended:
+        try:
+            if on_contended is not None:
+                await on_contended()
+        except BaseException:
+            os.close(fd)
+            raise
+        waiter = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, fcntl.LOCK_EX)
+        try:
+            await asyncio.shield(waiter)
+        except BaseException:
+            # Cancelled while the thread waits: it may still get the lock later; let it go then.
+            waiter.add_done_callback(lambda _: os.close(fd))
+            raise
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Mount:
+    target: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mounts() -> list[_Mount]:
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        out.append(_Mount(_unescape(fields[4]), tail[0], _unescape(tail[1])))
+    return out
+
+
+def _mount_at(path: Path) -> _Mount | None:
+    found = [m for m in _mounts() if m.target == str(path)]
+    return found[-1] if found else None  # the top of a stack of mounts is what the path shows
+
+
+def _fstype_of(path: Path) -> str:
+    """Filesystem type of the mount that contains ``path`` (longest mount-point prefix wins)."""
+    target = os.path.realpath(path)
+    best: _Mount | None = None
+    for m in _mounts():
+        prefix = m.target.rstrip("/") + "/"
+        if (target == m.target or target.startswith(prefix) or m.target == "/") and (
+            best is None or len(m.target) >= len(best.target)
+        ):
+            best = m
+    return best.fstype if best else ""
+
+
+def _loop_backing_file(device: str) -> Path | None:
+    name = os.path.basename(device)
+    if not name.startswith("loop"):
+        return None
+    try:
+        backing = Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
+    except OSError:
+        return None
+    return Path(backing)
+
+
+def _same_device(a: str | Path, b: str | Path) -> bool:
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return stat.S_ISBLK(sa.st_mode) and stat.S_ISBLK(sb.st_mode) and sa.st_rdev == sb.st_rdev
+
+
+def check_name(value: str, what: str = "name") -> str:
+    """Names that become path components: no separators, no dot-dot, bounded length."""
+    if not _NAME.fullmatch(value):
+        raise InvalidRequest(f"invalid {what}: {value!r}", field=what)
+    return value
+
+
+class Pool:
+    """One mounted btrfs filesystem; every path argument must lie inside :attr:`root`."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        kind: PoolKind,
+        data_dir: Path,
+        image: Path | None = None,
+        device: Path | None = None,
+    ) -> None:
+        self.root = root
+        self.kind = kind
+        self.data_dir = data_dir
+        self.image = image
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"Pool(root={str(self.root)!r}, kind={self.kind.value}, device={self.device})"
+
+    # -- opening and closing -------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, data_dir: Path, *, size_gb: int = 64, device: Path | None = None) -> Pool:
+        data_dir = _absolute(data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        async with file_lock(data_dir / "pool.lock"):
+            pool = await cls._attach(data_dir, size_gb=size_gb, device=device)
+            for area in AREAS:
+                (pool.root / area).mkdir(exist_ok=True)
+        log.info("pool.opened", root=str(pool.root), kind=pool.kind.value, device=str(pool.device))
+        return pool
+
+    @classmethod
+    async def _attach(cls, data_dir: Path, *, size_gb: int, device: Path | None) -> Pool:
+        mountpoint = data_dir / "pool"
+        image = data_dir / "pool.img"
+        mounted = _mount_at(mountpoint)
+        if mounted is not None:
+            if mounted.fstype != "btrfs":
+                raise RuntimeFailure(
+                    f"{mountpoint} is a {mounted.fstype} mount, not btrfs", path=str(mountpoint)
+                )
+            if _loop_backing_file(mounted.source) == image:
+                return cls(mountpoint, kind=PoolKind.LOOP, data_dir=data_dir, image=image,
+                           device=Path(mounted.source))
+            if device is not None and _same_device(mounted.source, device):
+                return cls(mountpoint, kind=PoolKind.DEVICE, data_dir=data_dir, device=device)
+            return cls(mountpoint, kind=PoolKind.MOUNTED, data_dir=data_dir, device=Path(mounted.source))
+
+        mountpoint.mkdir(exist_ok=True)
+        if device is None and _fstype_of(data_dir) == "btrfs":
+            return cls(mountpoint, kind=PoolKind.DIRECTORY, data_dir=data_dir)
+
+        if device is not None:
+            source, kind = device, PoolKind.DEVICE
+        else:
+            if not image.exists():
+                _create_sparse(image, size_gb)
+                log.info("pool.image_created", image=str(image), size_gb=size_gb)
+            source, kind = await _attach_loop(image), PoolKind.LOOP
+        await _ensure_btrfs(source)
+        await privileged.run("mount", "-t", "btrfs", "-o", MOUNT_OPTIONS, str(source), str(mountpoint))
+        return cls(mountpoint, kind=kind, data_dir=data_dir, image=image if kind is PoolKind.LOOP else None,
+                   device=source)
+
+    async def teardown(self) -> None:
+        """Delete every sandbox and tmp subvolume; then unmount and detach what :meth:`open` mounted.
+
+        Templates stay inside the pool file (a later open finds them again). A pool someone else
+        mounted, or one that is a plain directory on a btrfs host, is emptied but stays mounted.
+        """
+        async with file_lock(self.data_dir / "pool.lock"):
+            if _mount_at(self.root) is not None or self.kind is PoolKind.DIRECTORY:
+                for area in ("sandboxes", "tmp"):
+                    base = self.root / area
+                    if base.is_dir():
+                        for child in sorted(base.iterdir()):
+                            await self.delete_subvolume(child)
+            if self.kind in (PoolKind.LOOP, PoolKind.DEVICE) and _mount_at(self.root) is not None:
+                await privileged.run("umount", str(self.root))
+            if self.kind is PoolKind.LOOP and self.image is not None:
+                for dev in await _loops_of(self.image):
+                    await privileged.run("losetup", "-d", dev)
+        log.info("pool.teardown", root=str(self.root), kind=self.kind.value)
+
+    # -- subvolumes ----------------------------------------------------------------------------
+
+    def _inside(self, path: Path) -> Path:
+        """Refuse any path outside the pool: these operations delete and snapshot as root."""
+        norm = Path(os.path.normpath(os.path.abspath(path)))
+        if norm == self.root or self.root not in norm.parents:
+            raise InvalidPath(f"path is outside the pool: {path}", path=str(path))
+        return norm
+
+    async def create_subvolume(self, path: Path) -> None:
+        path = self._inside(path)
+        if path.exists():
+            raise Conflict(f"already exists: {path}", path=str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        await privileged.run("btrfs", "-q", "subvolume", "create", str(path))
+
+    async def snapshot(self, src: Path, dst: Path, *, readonly: bool = False) -> None:
+        src, dst = self._inside(src), self._inside(dst)
+        if not await self.is_subvolume(src):
+            raise InvalidPath(f"not a subvolume: {src}", path=str(src))
+        # An existing directory at dst would silently receive the snapshot *inside* it.
+        if dst.exists():
+            raise Conflict(f"already exists: {dst}", path=str(dst))
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        argv = ["btrfs", "-q", "subvolume", "snapshot", *(["-r"] if readonly else []), str(src), str(dst)]
+        await privileged.run(*argv)
+
+    async def delete_subvolume(self, path: Path) -> None:
+        """Delete ``path`` and every subvolume beneath it, deepest first.
+
+        ``path`` may be a subvolume or a plain directory holding subvolumes (a sandbox dir with its
+        rootfs and snapshots/*), or a plain file; a missing path is not an error.
+        """
+        path = self._inside(path)
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return
+        await _unmount_beneath(path)
+        if not stat.S_ISDIR(st.st_mode):
+            path.unlink(missing_ok=True)
+            return
+        if st.st_ino == _SUBVOLUME_INO:
+            children = await self._child_subvolumes(path)
+            if children and await self._is_readonly(path):
+                await self.set_readonly(path, False)  # a read-only parent cannot lose an entry
+            for child in children:
+                await self.delete_subvolume(child)
+            await privileged.run("btrfs", "-q", "subvolume", "delete", str(path))
+        else:
+            for sub in await asyncio.to_thread(_subvolumes_in_tree, path):
+                await self.delete_subvolume(sub)
+            await asyncio.to_thread(shutil.rmtree, path, ignore_errors=False)
+        log.debug("pool.deleted", path=str(path))
+
+    async def _child_subvolumes(self, path: Path) -> list[Path]:
+        """Subvolumes directly nested in subvolume ``path``.
+
+        ``subvolume list`` names paths from the filesystem's top level, which need not be our mount
+        root, so they are re-based on the path ``subvolume show`` reports for ``path`` itself.
+        """
+        listing = await privileged.run("btrfs", "subvolume", "list", "-o", str(path))
+        rels = [line.split(" path ", 1)[1] for line in listing.text.splitlines() if " path " in line]
+        if not rels:
+            return []
+        shown = await privileged.run("btrfs", "subvolume", "show", str(path))
+        own = shown.text.splitlines()[0].strip().strip("/")
+        out = []
+        for rel in rels:
+            rel = rel.strip("/")
+            if own and rel.startswith(own + "/"):
+                rel = rel[len(own) + 1:]
+            elif own:
+                continue
+            out.append(path / rel)
+        # Deepest first, although `list -o` only reports direct children.
+        return sorted(out, key=lambda p: len(p.parts), reverse=True)
+
+    async def _is_readonly(self, path: Path) -> bool:
+        res = await privileged.run("btrfs", "property", "get", "-ts", str(path), "ro")
+        return res.text.strip() == "ro=true"
+
+    async def set_readonly(self, path: Path, ro: bool = True) -> None:
+        path = self._inside(path)
+        await privileged.run("btrfs", "property", "set", "-ts", str(path), "ro", "true" if ro else "false")
+
+    async def is_readonly(self, path: Path) -> bool:
+        return await self._is_readonly(self._inside(path))
+
+    async def is_subvolume(self, path: Path) -> bool:
+        path = self._inside(path)
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_ino == _SUBVOLUME_INO
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    async def usage(self) -> dict[str, int]:
+        st = os.statvfs(self.root)
+        size = st.f_blocks * st.f_frsize
+        return {
+            "size_bytes": size,
+            "used_bytes": size - st.f_bfree * st.f_frsize,
+            "free_bytes": st.f_bavail * st.f_frsize,
+        }
+
+    async def exclusive_bytes(self, path: Path) -> int | None:
+        """Bytes only ``path`` holds (not shared with its template or snapshots); None if unknown."""
+        path = self._inside(path)
+        res = await privileged.run("btrfs", "filesystem", "du", "-s", "--raw", str(path),
+                                   check=False, timeout=300)
+        lines = res.text.splitlines()
+        if res.returncode != 0 or len(lines) < 2:
+            return None
+        try:
+            return int(lines[1].split()[1])
+        except (IndexError, ValueError):
+            return None
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def template_path(self, name: str, digest: str) -> Path:
+        return self.root / "templates" / f"{check_name(name, 'template name')}@{digest[:16]}"
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.root / "sandboxes" / check_name(sandbox_id, "sandbox id")
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.root / "tmp"
+
+
+def _create_sparse(image: Path, size_gb: int) -> None:
+    tmp = image.with_name(image.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.truncate(size_gb * 1024**3)
+    os.replace(tmp, image)  # never leave a half-sized image under the real name
+
+
+async def _loops_of(image: Path) -> list[str]:
+    res = await privileged.run("losetup", "-j", str(image), "-n", "-O", "NAME")
+    return [line.strip() for line in res.text.splitlines() if line.strip()]
+
+
+async def _attach_loop(image: Path) -> Path:
+    """The loop device backing ``image``: an existing one (left by a crash) or a new one."""
+    existing = await _loops_of(image)
+    if existing:
+        log.info("pool.loop_reused", image=str(image), device=existing[0])
+        return Path(existing[0])
+    res = await privileged.run("losetup", "--find", "--show", str(image))
+    return Path(res.text.strip())
+
+
+async def _ensure_btrfs(source: Path) -> None:
+    """mkfs.btrfs ``source`` only when it holds no filesystem at all; never reformat."""
+    probe = await privileged.run("blkid", "-p", "-o", "value", "-s", "TYPE", str(source), check=False)
+    fstype = probe.text.strip()
+    if probe.returncode == 0:
+        if fstype == "btrfs":
+            return
+        raise RuntimeFailure(f"{source} holds a {fstype or 'foreign'} filesystem; refusing to format it",
+                             device=str(source))
+    if probe.returncode != 2:  # 2: nothing found; anything else is a probe failure
+        raise RuntimeFailure(f"cannot probe {source}: {probe.stderr.decode(errors='replace').strip()}",
+                             device=str(source))
+    await privileged.run("mkfs.btrfs", "-q", "-L", "space-pool", str(source), timeout=300)
+    log.info("pool.formatted", device=str(source))
+
+
+async def _unmount_beneath(path: Path) -> None:
+    """Unmount whatever is mounted at or below ``path``, deepest first.
+
+    A killed debootstrap leaves its target's /proc and /sys mounted; a crashed runtime may leave
+    mounts in a sandbox dir. Either would make the delete fail with EBUSY and leak the mount.
+    """
+    prefix = str(path).rstrip("/") + "/"
+    for _ in range(100):  # stacked mounts come off one at a time
+        targets = [m.target for m in _mounts() if m.target == str(path) or m.target.startswith(prefix)]
+        if not targets:
+            return
+        target = max(targets, key=lambda t: t.count("/"))
+        res = await privileged.run("umount", target, check=False)
+        if res.returncode != 0:
+            # Still busy: detach it from the tree now; the kernel frees it when the last user goes.
+            await privileged.run("umount", "--lazy", target)
+        log.warning("pool.unmounted_leftover", target=target)
+    raise RuntimeFailure(f"cannot clear the mounts beneath {path}", path=str(path))
+
+
+def _subvolumes_in_tree(top: Path) -> list[Path]:
+    """Subvolumes under plain directory ``top``, without descending into any subvolume."""
+    found: list[Path] = []
+    for dirpath, dirnames, _ in os.walk(top):
+        keep = []
+        for d in dirnames:
+            p = Path(dirpath) / d
+            try:
+                st = p.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_ino == _SUBVOLUME_INO:
+                found.append(p)
+            else:
+                keep.append(d)
+        dirnames[:] = keep
+    return found
+
+
+def _absolute(path: Path) -> Path:
+    # Canonical, because /proc/self/mountinfo and sysfs report canonical paths.
+    return Path(os.path.realpath(path))

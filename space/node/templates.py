@@ -1,0 +1,500 @@
+"""Templates: read-only root filesystems that every sandbox root is a snapshot of.
+
+A template is defined by a *spec* (a dict, see :data:`BASE_SPEC`) and identified by its digest, so
+the same spec never builds twice. :meth:`TemplateStore.ensure` materializes one, cheapest way
+first:
+
+1. a ready template with that digest is in the pool → returned as is;
+2. the node's cache holds its exported stream (``<cache>/templates/<name>-<digest>.btrfs.zst``)
+   → ``zstd -d | btrfs receive`` (seconds);
+3. else it is built (debootstrap, then user and mount points, then cleanup), published atomically
+   as a read-only snapshot, and exported to the cache for the next pool on this machine.
+
+Readiness is the manifest ``templates/<name>@<digest16>.json``, written only once the subvolume is
+read-only and complete. Materialization is single-flight: one asyncio lock per digest in a process
+and one ``flock`` per digest across processes; whatever a crash leaves behind (a tmp build, a
+partial receive) is deleted by the next ensure.
+
+A received template keeps the identity (received UUID) of the subvolume that was sent, which is why
+it is received straight into ``templates/`` instead of being snapshotted there: ``btrfs send -p
+<template>`` deltas from any pool that shares the stream then apply on this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import re
+import stat
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, Final
+
+import structlog
+
+from space.errors import RuntimeFailure, SpaceError, ValidationFailed
+from space.node import privileged
+from space.node.pool import Pool, check_name, file_lock
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CACHE_DIR: Final = Path("/var/cache/space")
+USER_UID: Final = 1000
+
+#: The spec of the ``base`` template. Copy it before changing it: every key is part of the digest.
+BASE_SPEC: Final[dict[str, Any]] = {
+    "name": "base",
+    "suite": "bookworm",
+    "mirror": "http://deb.debian.org/debian",
+    "packages": ["python3", "bash", "coreutils", "procps", "git", "curl", "ca-certificates"],
+    "user": "user",
+    "home": "/home/user",
+}
+
+Progress = Callable[[str], Awaitable[None]]
+#: Populates ``target`` (an empty subvolume) from ``spec``; ``cache_dir`` is the node's cache.
+Builder = Callable[[dict[str, Any], Path, Path, Progress], Awaitable[None]]
+
+_SUITE = re.compile(r"[a-z][a-z0-9-]{0,31}")
+_PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.:-]{0,99}")
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+_MIRROR = re.compile(r"(https?|file)://[^\s,'\"\\]+")
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of ``spec`` (sorted keys, no whitespace)."""
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check the fields the builder turns into paths and command arguments; return a private copy.
+
+    Extra keys are allowed (they are part of the digest) so richer specs can grow without
+    breaking older nodes' digests.
+    """
+    if not isinstance(spec, dict):
+        raise ValidationFailed("template spec must be an object")
+    spec = copy.deepcopy(spec)
+    missing = [k for k in ("name", "suite", "mirror", "packages", "user", "home") if k not in spec]
+    if missing:
+        raise ValidationFailed(f"template spec lacks {', '.join(missing)}", fields=missing)
+
+    def bad(key: str, why: str) -> ValidationFailed:
+        return ValidationFailed(f"template spec field {key!r} {why}", field=key)
+
+    try:
+        check_name(str(spec["name"]), "template name")
+    except SpaceError:
+        raise bad("name", "must be a simple name ([A-Za-z0-9._-])") from None
+    if not isinstance(spec["suite"], str) or not _SUITE.fullmatch(spec["suite"]):
+        raise bad("suite", "must be a Debian suite name")
+    if not isinstance(spec["mirror"], str) or not _MIRROR.fullmatch(spec["mirror"]):
+        raise bad("mirror", "must be an http(s):// or file:// URL")
+    pkgs = spec["packages"]
+    if not isinstance(pkgs, list) or not all(isinstance(p, str) and _PACKAGE.fullmatch(p) for p in pkgs):
+        raise bad("packages", "must be a list of Debian package names")
+    if not isinstance(spec["user"], str) or not _USER.fullmatch(spec["user"]):
+        raise bad("user", "must be a POSIX user name")
+    home = spec["home"]
+    if (
+        not isinstance(home, str)
+        or not home.startswith("/")
+        or str(PurePosixPath(home)) != home
+        or ".." in PurePosixPath(home).parts
+        or not re.fullmatch(r"[A-Za-z0-9._/-]+", home)
+    ):
+        raise bad("home", "must be a normalized absolute path")
+    return spec
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    name: str
+    digest: str
+    path: Path
+    size_bytes: int
+    created_at: datetime
+    spec: dict[str, Any] = field(default_factory=dict)
+    #: How it got here: "build", "receive" or "recovered" (complete but unrecorded after a crash).
+    source: str = "build"
+    seconds: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.digest[:16]}"
+
+
+@dataclass
+class _Flight:
+    """One digest being materialized in this process: the lock, and whoever waits for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    listeners: list[Progress] = field(default_factory=list)
+    users: int = 0
+    completed: int = 0
+
+    async def emit(self, line: str) -> None:
+        log.debug("template.progress", line=line)
+        for listener in list(self.listeners):
+            try:
+                await listener(line)
+            except Exception:
+                # A listener that broke (a client hung up) must not fail the build others wait on.
+                log.warning("template.progress_listener_failed", exc_info=True)
+                with contextlib.suppress(ValueError):
+                    self.listeners.remove(listener)
+
+
+class TemplateStore:
+    def __init__(self, pool: Pool, cache_dir: Path = DEFAULT_CACHE_DIR, *, builder: Builder | None = None):
+        self.pool = pool
+        self.cache_dir = cache_dir
+        self._builder: Builder = builder or debootstrap_builder
+        self._flights: dict[str, _Flight] = {}
+
+    # -- queries -------------------------------------------------------------------------------
+
+    async def list(self) -> builtins.list[TemplateInfo]:
+        """Ready templates on this node (those with a manifest and their subvolume)."""
+        return await asyncio.to_thread(self._scan)
+
+    async def get(self, name: str) -> TemplateInfo | None:
+        """The newest ready template called ``name``."""
+        found = [t for t in await self.list() if t.name == name]
+        return max(found, key=lambda t: t.created_at) if found else None
+
+    def _scan(self) -> builtins.list[TemplateInfo]:
+        out = []
+        for manifest in (self.pool.root / "templates").glob("*@*.json"):
+            info = _read_manifest(manifest)
+            if info is not None:
+                out.append(info)
+        return sorted(out, key=lambda t: (t.name, t.created_at))
+
+    def stream_path(self, name: str, digest: str) -> Path:
+        return self.cache_dir / "templates" / f"{name}-{digest}.btrfs.zst"
+
+    # -- ensure --------------------------------------------------------------------------------
+
+    async def ensure(
+        self, spec: dict[str, Any], *, on_progress: Progress | None = None, force: bool = False
+    ) -> TemplateInfo:
+        spec = validate_spec(spec)
+        digest = spec_digest(spec)
+        label = f"{spec['name']}@{digest[:16]}"
+        flight = self._flights.setdefault(digest, _Flight())
+        flight.users += 1
+        if on_progress is not None:
+            flight.listeners.append(on_progress)
+        try:
+            seen = flight.completed
+            if flight.lock.locked() and on_progress is not None:
+                await on_progress(f"template {label}: waiting for the materialization already running")
+            async with flight.lock:
+                # A force that waited for someone else's fresh build is satisfied by it.
+                force = force and flight.completed == seen
+
+                async def contended() -> None:
+                    await flight.emit(f"template {label}: waiting for another process materializing it")
+
+                lock = self.cache_dir / "locks" / f"{digest}.lock"
+                async with file_lock(lock, on_contended=contended):
+                    info = await self._ensure_locked(spec, digest, flight.emit, force)
+                flight.completed += 1
+                return info
+        finally:
+            with contextlib.suppress(ValueError):
+                if on_progress is not None:
+                    flight.listeners.remove(on_progress)
+            flight.users -= 1
+            if flight.users == 0:
+                self._flights.pop(digest, None)
+
+    async def _ensure_locked(
+        self, spec: dict[str, Any], digest: str, emit: Progress, force: bool
+    ) -> TemplateInfo:
+        name = spec["name"]
+        final = self.pool.template_path(name, digest)
+        manifest = _manifest_path(final)
+        label = f"{name}@{digest[:16]}"
+        if force:
+            await emit(f"template {label}: forced rebuild")
+            await self._delete(final)
+        else:
+            info = _read_manifest(manifest)
+            if info is not None:
+                await emit(f"template {label}: ready (cached, no rebuild)")
+                log.info("template.ready", template=label, source="cached")
+                return info
+            if await self.pool.is_subvolume(final):
+                if await self.pool.is_readonly(final):
+                    # Published (snapshot -r or a finished receive) but the manifest was not written.
+                    await emit(f"template {label}: adopting a complete template left by an interruption")
+                    return await self._publish_manifest(spec, digest, source="recovered", seconds=None)
+                await self.pool.delete_subvolume(final)  # a partial receive
+
+        stream = self.stream_path(name, digest)
+        if stream.exists() and not force:
+            try:
+                return await self._receive(spec, digest, stream, emit)
+            except SpaceError as exc:
+                log.warning("template.receive_failed", template=label, error=str(exc))
+                await emit(f"template {label}: cached stream unusable ({exc.message}); rebuilding")
+                await self._delete(final)
+                stream.unlink(missing_ok=True)
+        return await self._build(spec, digest, emit)
+
+    async def _receive(self, spec: dict[str, Any], digest: str, stream: Path, emit: Progress) -> TemplateInfo:
+        final = self.pool.template_path(spec["name"], digest)
+        label = final.name
+        size_mb = _file_bytes(stream) / 1e6
+        await emit(f"[1/2] receive {label} from the cache stream ({size_mb:.0f} MB compressed)")
+        started = time.monotonic()
+        await privileged.pipeline(
+            ["zstd", "-d", "-q", "-c", "--", str(stream)],
+            ["btrfs", "receive", "-q", str(final.parent)],
+            timeout=1800,
+        )
+        if not await self.pool.is_subvolume(final) or not await self.pool.is_readonly(final):
+            raise RuntimeFailure(f"the cache stream did not produce a read-only {label}", stream=str(stream))
+        seconds = time.monotonic() - started
+        info = await self._publish_manifest(spec, digest, source="receive", seconds=seconds)
+        await emit(f"[2/2] template {label} ready (received in {seconds:.1f}s)")
+        log.info("template.received", template=label, seconds=round(seconds, 2))
+        return info
+
+    async def _build(self, spec: dict[str, Any], digest: str, emit: Progress) -> TemplateInfo:
+        final = self.pool.template_path(spec["name"], digest)
+        label = final.name
+        work = self.pool.tmp_dir / f"build-{label}"
+        await self.pool.delete_subvolume(work)  # an interrupted build's leftovers
+        started = time.monotonic()
+        log.info("template.build_started", template=label)
+        try:
+            await self.pool.create_subvolume(work)
+            await self._builder(spec, work, self.cache_dir, emit)
+            await emit(f"[4/4] publish {label}")
+            # The snapshot is the atomic publish: the final path only ever appears complete.
+            await self.pool.snapshot(work, final, readonly=True)
+        except BaseException as exc:
+            log.warning("template.build_failed", template=label, error=str(exc) or type(exc).__name__)
+            raise
+        finally:
+            await asyncio.shield(self.pool.delete_subvolume(work))
+        seconds = time.monotonic() - started
+        info = await self._publish_manifest(spec, digest, source="build", seconds=seconds)
+        await emit(f"template {label} built in {seconds:.0f}s ({info.size_bytes / 1e6:.0f} MB)")
+        log.info("template.built", template=label, seconds=round(seconds, 1), size_bytes=info.size_bytes)
+        await self._export(final, self.stream_path(spec["name"], digest), emit)
+        return info
+
+    async def _export(self, final: Path, stream: Path, emit: Progress) -> None:
+        """Write the template's send stream to the cache; a failure only costs the next pool a build."""
+        stream.parent.mkdir(parents=True, exist_ok=True)
+        partial = stream.with_name(stream.name + ".tmp")
+        started = time.monotonic()
+        try:
+            await privileged.pipeline(
+                ["btrfs", "send", "-q", str(final)], ["zstd", "-T0", "-3", "-q", "-c"],
+                stdout=partial, timeout=1800,
+            )
+            os.replace(partial, stream)
+        except SpaceError as exc:
+            partial.unlink(missing_ok=True)
+            log.warning("template.export_failed", template=final.name, error=str(exc))
+            await emit(f"template {final.name}: exporting to the cache failed ({exc.message})")
+            return
+        seconds = time.monotonic() - started
+        await emit(f"template {final.name}: exported to {stream} ({_file_bytes(stream) / 1e6:.0f} MB)")
+        log.info("template.exported", template=final.name, stream=str(stream), seconds=round(seconds, 2))
+
+    async def _publish_manifest(
+        self, spec: dict[str, Any], digest: str, *, source: str, seconds: float | None
+    ) -> TemplateInfo:
+        final = self.pool.template_path(spec["name"], digest)
+        info = TemplateInfo(
+            name=spec["name"],
+            digest=digest,
+            path=final,
+            size_bytes=await asyncio.to_thread(_tree_bytes, final),
+            created_at=datetime.now(UTC),
+            spec=spec,
+            source=source,
+            seconds=round(seconds, 3) if seconds is not None else None,
+        )
+        await asyncio.to_thread(_write_manifest, info)
+        return info
+
+    # -- removal -------------------------------------------------------------------------------
+
+    async def remove(self, name: str, digest: str) -> None:
+        """Delete a template from the pool (idempotent). The cached stream stays: it is a cache.
+
+        Sandboxes made from it keep working: their roots are independent snapshots.
+        """
+        final = self.pool.template_path(name, digest)
+        recorded = _read_manifest(_manifest_path(final))
+        lock_digest = recorded.digest if recorded is not None else digest
+        async with file_lock(self.cache_dir / "locks" / f"{lock_digest}.lock"):
+            await self._delete(final)
+        log.info("template.removed", template=final.name)
+
+    async def _delete(self, final: Path) -> None:
+        # The manifest goes first: from then on nobody treats the template as ready.
+        _manifest_path(final).unlink(missing_ok=True)
+        await self.pool.delete_subvolume(final)
+
+
+def _manifest_path(final: Path) -> Path:
+    return final.with_name(final.name + ".json")
+
+
+def _write_manifest(info: TemplateInfo) -> None:
+    body = {
+        "name": info.name,
+        "digest": info.digest,
+        "spec": info.spec,
+        "size_bytes": info.size_bytes,
+        "created_at": info.created_at.isoformat(),
+        "source": info.source,
+        "seconds": info.seconds,
+    }
+    path = _manifest_path(info.path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_manifest(path: Path) -> TemplateInfo | None:
+    try:
+        body = json.loads(path.read_text())
+        final = path.with_name(path.name.removesuffix(".json"))
+        st = final.lstat()
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        return TemplateInfo(
+            name=str(body["name"]),
+            digest=str(body["digest"]),
+            path=final,
+            size_bytes=int(body["size_bytes"]),
+            created_at=datetime.fromisoformat(body["created_at"]),
+            spec=dict(body.get("spec") or {}),
+            source=str(body.get("source", "build")),
+            seconds=body.get("seconds"),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_size
+
+
+def _tree_bytes(top: Path) -> int:
+    """Apparent size of the files in ``top`` (what a user would call the template's size)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(top):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+# -- the default builder: debootstrap ------------------------------------------------------------
+
+# Runs inside the new root (chroot). Arguments, never interpolation: user and home come from a spec.
+_CONFIGURE = r"""
+set -eu
+user="$1" home="$2" uid="$3"
+if ! getent passwd "$user" >/dev/null; then
+    useradd --create-home --home-dir "$home" --shell /bin/bash --uid "$uid" --user-group "$user"
+fi
+mkdir -p "$home"
+chown "$user:$user" "$home"
+# Mount point for the guest agent, bound in by the runtime.
+mkdir -p /opt/space/guest
+# Identity and name resolution are per sandbox (the runtime provides them), not per template;
+# debootstrap copied the build host's.
+rm -f /etc/hostname /etc/machine-id /var/lib/dbus/machine-id
+: > /etc/resolv.conf
+printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > /etc/hosts
+"""
+
+_CLEAN = r"""
+set -eu
+apt-get clean
+rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/debconf/*-old /var/lib/dpkg/*-old
+rm -rf /var/log/*.log /var/log/apt/* /tmp/* /var/tmp/*
+"""
+
+_CHROOT_ENV: Final = {
+    "LC_ALL": "C",
+    "DEBIAN_FRONTEND": "noninteractive",
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+}
+
+
+class _DebootstrapProgress:
+    """Turns debootstrap's ``I:`` lines into progress lines with a percentage where one is known.
+
+    Every package is validated (downloaded or found in the cache) before anything is installed, so
+    the package count is known by the time unpacking starts; unpack + configure are the percentage.
+    """
+
+    def __init__(self, emit: Progress) -> None:
+        self.emit = emit
+        self.packages: set[str] = set()
+        self.steps = 0
+        self.tail: deque[str] = deque(maxlen=30)
+
+    async def feed(self, line: str) -> None:
+        self.tail.append(line)
+        if not line.strip():
+            return
+        words = line.split()
+        if line.startswith(("I: Retrieving ", "I: Validating ")) and len(words) >= 4:
+            self.packages.add(words[2])  # "I: Validating <package> <version>"
+        elif (
+            line.startswith(("I: Unpacking ", "I: Configuring "))
+            and line.endswith("...")
+            and words[2] not in ("required", "the", "base")  # phase headers, not packages
+        ):
+            self.steps += 1
+        if self.packages and self.steps:
+            pct = min(99, 100 * self.steps // (2 * len(self.packages)))
+            await self.emit(f"  [{pct:>2}%] {line}")
+        else:
+            await self.emit(f"  {line}")
+
+
+async def debootstrap_builder(spec: dict[str, Any], target: Path, cache_dir: Path, emit: Progress) -> None:
+    """The default :data:`Builder`: a minbase Debian with the spec's packages and user."""
+    deb_cache = cache_dir / "debootstrap"
+    deb_cache.mkdir(parents=True, exist_ok=True)
+    await emit(f"[1/4] debootstrap {spec['suite']} (minbase + {len(spec['packages'])} packages)")
+    progress = _DebootstrapProgress(emit)
+    argv = ["debootstrap", "--variant=minbase", f"--cache-dir={deb_cache}"]
+    if spec["packages"]:
+        argv.append(f"--include={','.join(spec['packages'])}")
+    argv += [spec["suite"], str(target), spec["mirror"]]
+    rc = await privileged.stream_lines(*argv, on_line=progress.feed, timeout=3600, env=_CHROOT_ENV)
+    if rc != 0:
+        tail = "\n".join(progress.tail)
+        raise RuntimeFailure(f"debootstrap failed (exit {rc})", argv=argv, returncode=rc, output=tail)
+
+    await emit(f"[2/4] configure: user {spec['user']} (uid {USER_UID}), {spec['home']}, /opt/space/guest")
+    await privileged.run("chroot", str(target), "/bin/sh", "-c", _CONFIGURE, "configure",
+                         spec["user"], spec["home"], str(USER_UID), env=_CHROOT_ENV)
+    await emit("[3/4] clean apt lists and caches")
+    await privileged.run("chroot", str(target), "/bin/sh", "-c", _CLEAN, "clean",
+                         env=_CHROOT_ENV, timeout=300)

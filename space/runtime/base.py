@@ -1,0 +1,50 @@
+"""The runtime driver interface. Nothing above it may know which driver runs a sandbox."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    """Everything a driver needs to boot one runtime instance of a sandbox."""
+
+    sandbox_id: str
+    instance_id: str
+    rootfs: Path
+    #: Per-instance working directory (bundle, sockets, logs); the driver owns its contents.
+    workdir: Path
+    guest_dir: Path
+    #: Directory for the shim's channel socket (kept short: unix socket paths max 107 bytes).
+    channel_dir: Path
+    cpu: float
+    memory_mb: int
+    hostname: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceHandle:
+    instance_id: str
+    #: Unix socket of the per-instance shim that holds the guest channel.
+    channel: Path
+    shim_pid: int
+
+
+class RuntimeDriver(Protocol):
+    name: str
+
+    async def start(self, spec: InstanceSpec) -> InstanceHandle:
+        """Boot the instance with the guest daemon as PID 1; return once the runtime started it."""
+
+    async def stop(self, instance_id: str, workdir: Path) -> None:
+        """Kill and remove the instance; idempotent (an unknown instance is not an error)."""
+
+    async def state(self, instance_id: str) -> str | None:
+        """The runtime's view: "running", "paused", "stopped", ... or None when unknown."""
+
+    async def list_instances(self) -> dict[str, str]:
+        """Every instance this driver knows on the node: id -> state."""
+
+    async def version(self) -> str: ...

@@ -1,0 +1,154 @@
+"""The gVisor driver: ``runsc`` with the systrap platform, the guest daemon as PID 1.
+
+The guest's stdin/stdout pipes are created here and their host ends handed to a per-instance shim
+(``space.runtime.shim``) that outlives the node agent; ``runsc run --detach`` gets the guest ends.
+Every runsc call gets the same global flags (RUNTIME_NOTES: a restore with different flags returns 0
+and the sandbox then dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import structlog
+
+from space.errors import RuntimeFailure
+from space.node import privileged
+from space.runtime.base import InstanceHandle, InstanceSpec
+from space.runtime.oci import build_spec
+
+log = structlog.get_logger("space.runtime.gvisor")
+
+SHIM_PIDFILE = "shim.pid"
+
+
+class GVisorDriver:
+    name = "gvisor"
+
+    def __init__(self, state_root: Path, *, runsc: str = "runsc", platform: str = "systrap") -> None:
+        self.state_root = state_root
+        self.runsc = runsc
+        # --overlay2=none keeps guest writes in the btrfs root (so snapshots see them).
+        self.global_flags = [
+            f"--root={state_root}",
+            f"--platform={platform}",
+            "--overlay2=none",
+            "--network=none",
+        ]
+        state_root.mkdir(parents=True, exist_ok=True)
+
+    def _cmd(self, *args: str) -> list[str]:
+        return [self.runsc, *self.global_flags, *args]
+
+    async def version(self) -> str:
+        res = await privileged.run(self.runsc, "--version")
+        return res.stdout.splitlines()[0] if res.stdout else "unknown"
+
+    async def start(self, spec: InstanceSpec) -> InstanceHandle:
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        bundle = spec.workdir / "bundle"
+        bundle.mkdir(exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(build_spec(spec)))
+        channel = spec.channel_dir / f"{spec.instance_id}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            channel.unlink()
+
+        to_guest_r, to_guest_w = os.pipe()
+        from_guest_r, from_guest_w = os.pipe()
+        try:
+            shim = subprocess.Popen(
+                [sys.executable, "-s", "-m", "space.runtime.shim",
+                 "--socket", str(channel),
+                 "--to-guest-fd", str(to_guest_w),
+                 "--from-guest-fd", str(from_guest_r),
+                 "--pidfile", str(spec.workdir / SHIM_PIDFILE)],
+                pass_fds=(to_guest_w, from_guest_r),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=open(spec.workdir / "shim.log", "ab"),  # noqa: SIM115 -- handed to the child
+                start_new_session=True,  # survives the node agent
+                cwd="/",
+                env=_shim_env(),
+            )
+            guest_log = open(spec.workdir / "guest.log", "ab")  # noqa: SIM115
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._cmd("run", "--detach", "--bundle", str(bundle),
+                               "--pid-file", str(spec.workdir / "sandbox.pid"), spec.instance_id),
+                    stdin=to_guest_r,
+                    stdout=from_guest_w,
+                    stderr=guest_log,
+                    start_new_session=True,
+                )
+                rc = await proc.wait()
+            finally:
+                guest_log.close()
+        finally:
+            for fd in (to_guest_r, to_guest_w, from_guest_r, from_guest_w):
+                os.close(fd)
+        if rc != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shim.pid, signal.SIGTERM)
+            tail = _tail(spec.workdir / "guest.log")
+            raise RuntimeFailure(f"runsc run failed (exit {rc}): {tail}", instance=spec.instance_id)
+        log.info("instance.started", instance=spec.instance_id, shim_pid=shim.pid)
+        return InstanceHandle(instance_id=spec.instance_id, channel=channel, shim_pid=shim.pid)
+
+    async def stop(self, instance_id: str, workdir: Path) -> None:
+        # Killing first makes delete fast; both are idempotent for a missing container.
+        await privileged.run(*self._cmd("kill", "--all", instance_id, "KILL"), check=False, timeout=30)
+        res = await privileged.run(*self._cmd("delete", "--force", instance_id), check=False, timeout=60)
+        if res.returncode != 0 and await self.state(instance_id) is not None:
+            raise RuntimeFailure(f"runsc delete failed: {res.stderr.strip()[-500:]}", instance=instance_id)
+        _kill_pidfile(workdir / SHIM_PIDFILE)
+
+    async def state(self, instance_id: str) -> str | None:
+        res = await privileged.run(*self._cmd("state", instance_id), check=False, timeout=30)
+        if res.returncode != 0:
+            return None
+        try:
+            return str(json.loads(res.stdout).get("status", "unknown"))
+        except ValueError:
+            return "unknown"
+
+    async def list_instances(self) -> dict[str, str]:
+        res = await privileged.run(*self._cmd("list", "--format=json"), check=False, timeout=30)
+        if res.returncode != 0 or not res.stdout.strip():
+            return {}
+        try:
+            items = json.loads(res.stdout) or []
+        except ValueError:
+            return {}
+        return {str(i["id"]): str(i.get("status", "unknown")) for i in items}
+
+
+def _shim_env() -> dict[str, str]:
+    # The shim imports only space.runtime.shim and the stdlib: give it the package path, nothing else.
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    return {"PYTHONPATH": pkg_root, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+def _kill_pidfile(pidfile: Path) -> None:
+    try:
+        pid = int(pidfile.read_text().strip())
+        # Never signal a recycled pid: it must still be our shim.
+        if b"space.runtime.shim" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return
+    except (OSError, ValueError):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGTERM)
+
+
+def _tail(path: Path, n: int = 800) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace").strip()
+    except OSError:
+        return ""

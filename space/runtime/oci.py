@@ -1,0 +1,51 @@
+"""OCI runtime spec for a sandbox instance (config.json of the bundle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from space.runtime.base import InstanceSpec
+
+GUEST_MOUNT = "/opt/space/guest"
+GUEST_ARGV = ["/usr/bin/python3", "-I", "-S", f"{GUEST_MOUNT}/daemon.py"]
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CPU_PERIOD_US = 100_000
+
+
+def build_spec(spec: InstanceSpec) -> dict[str, Any]:
+    resources: dict[str, Any] = {
+        "memory": {"limit": spec.memory_mb * 1024 * 1024},
+        "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
+        "pids": {"limit": 4096},
+    }
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "args": GUEST_ARGV,
+            "cwd": "/",
+            "env": [f"PATH={_PATH}", "LANG=C.UTF-8", f"SPACE_SANDBOX_ID={spec.sandbox_id}"],
+            "user": {"uid": 0, "gid": 0},
+            "noNewPrivileges": False,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": GUEST_MOUNT, "type": "bind", "source": str(spec.guest_dir),
+             "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "resources": resources,
+            "cgroupsPath": f"/space/{spec.instance_id}",
+        },
+    }

@@ -1,0 +1,16 @@
+from ._client import AsyncClient
+from ._commands import AsyncCommand
+from ._files import AsyncFiles
+from ._resources import AsyncApiKeys, AsyncOperations, AsyncTemplates
+from ._sandboxes import AsyncSandbox, AsyncSandboxes
+
+__all__ = [
+    "AsyncApiKeys",
+    "AsyncClient",
+    "AsyncCommand",
+    "AsyncFiles",
+    "AsyncOperations",
+    "AsyncSandbox",
+    "AsyncSandboxes",
+    "AsyncTemplates",
+]

@@ -1,0 +1,88 @@
+"""Operations, templates and API keys."""
+
+from __future__ import annotations
+
+import builtins
+import math
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import quote
+
+import httpx
+
+from space import errors
+from space.sdk._models import JSON, Operation
+
+from ._http import AsyncHTTP
+
+#: The longest long-poll the server honours.
+MAX_POLL = 60
+
+
+class AsyncOperations:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def get(self, op_id: str, wait: float | None = None) -> Operation:
+        """The operation; with ``wait``, the server holds the answer up to that long for it to finish."""
+        path = f"/v1/operations/{quote(op_id, safe='')}"
+        if wait is None:
+            return Operation.from_json(await self._http.json("GET", path))
+        seconds = max(0, min(MAX_POLL, math.ceil(wait)))
+        timeout = httpx.Timeout(self._http.timeout + seconds)
+        body = await self._http.json("GET", path, params={"wait": seconds}, timeout=timeout)
+        return Operation.from_json(body)
+
+    async def wait(self, op_id: str, timeout: float | None = 120.0) -> Operation:  # noqa: ASYNC109
+        """Long-poll until the operation finished (succeeded or failed); raise Timeout past ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = MAX_POLL if deadline is None else deadline - time.monotonic()
+            op = await self.get(op_id, wait=max(0.0, remaining))
+            if op.done:
+                return op
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.Timeout(
+                    f"operation {op_id} did not finish within {timeout:g}s (it is {op.status})",
+                    operation=op_id,
+                )
+
+    async def logs(self, op_id: str, after: int = 0) -> AsyncIterator[tuple[int, str]]:
+        """``(seq, line)`` of the operation's log until it finishes (resuming across dropped streams)."""
+        path = f"/v1/operations/{quote(op_id, safe='')}/logs"
+        async for name, seq, payload in self._http.events(path, final="end", after=after):
+            if name == "log":
+                yield int(payload.get("seq", seq or 0)), str(payload.get("line", ""))
+
+
+class AsyncTemplates:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def list(self) -> builtins.list[JSON]:
+        return list((await self._http.json("GET", "/v1/templates")).get("templates", []))
+
+    async def get(self, name: str) -> JSON:
+        return await self._http.json("GET", f"/v1/templates/{quote(name, safe='')}")
+
+    async def build(self, name: str, force: bool = False) -> Operation:
+        """Start a build and return its operation without waiting (follow it with ``operations``)."""
+        path = f"/v1/templates/{quote(name, safe='')}/build"
+        body = await self._http.json("POST", path, json={"force": force})
+        return Operation.from_json(body["operation"])
+
+
+class AsyncApiKeys:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def create(self, tenant: str, role: str = "member", name: str = "") -> JSON:
+        """A new key; the returned ``key`` is shown this once (the server keeps only its hash)."""
+        body = {"tenant": tenant, "role": role, "name": name}
+        return await self._http.json("POST", "/v1/apikeys", json=body)
+
+    async def list(self) -> builtins.list[JSON]:
+        return list((await self._http.json("GET", "/v1/apikeys")).get("apikeys", []))
+
+    async def delete(self, key_id: str) -> None:
+        await self._http.request("DELETE", f"/v1/apikeys/{quote(key_id, safe='')}")

@@ -1,0 +1,92 @@
+# Generated from space/sdk/_async/_commands.py by scripts/unasync.py: do not edit.
+"""A process started in a sandbox: its event stream, stdin, signals and terminal size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Callable
+from typing import Any
+from urllib.parse import quote
+
+from space import errors
+from space.sdk._models import JSON, CommandResult, Event
+
+from ._http import SyncHTTP
+
+OutputCallback = Callable[[bytes], Any]
+
+
+class Command:
+    def __init__(self, http: SyncHTTP, sandbox_id: str, info: JSON) -> None:
+        self._http = http
+        self.sandbox_id = sandbox_id
+        self.info = info
+        self._path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/commands/{quote(self.id, safe='')}"
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def pid(self) -> int | None:
+        pid = self.info.get("pid")
+        return None if pid is None else int(pid)
+
+    @property
+    def attach_token(self) -> str | None:
+        return self.info.get("attach_token")
+
+    def __repr__(self) -> str:
+        return f"<Command {self.id} pid={self.pid} sandbox={self.sandbox_id}>"
+
+    def refresh(self) -> JSON:
+        """Re-read the command (state, exit code); attach token and other creation fields are kept."""
+        self.info = {**self.info, **self._http.json("GET", self._path)}
+        return self.info
+
+    def events(self, after: int = 0) -> Iterator[Event]:
+        """Output and exit events, in order and each exactly once, across dropped connections."""
+        for name, seq, payload in self._http.events(f"{self._path}/events", final="exit", after=after):
+            event = Event.from_wire(name, seq or 0, payload)
+            if event is not None:
+                yield event
+
+    def wait(
+        self, on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None
+    ) -> CommandResult:
+        """Follow the command to its end, collecting its output (and passing it to the callbacks)."""
+        out, err = bytearray(), bytearray()
+        result: CommandResult | None = None
+        # The loop runs to the end of the stream (exit is its last event) rather than returning at
+        # exit, so the stream is closed here and not whenever the generator is collected.
+        for event in self.events():
+            if event.type == "stdout":
+                out += event.data
+                if on_stdout is not None:
+                    on_stdout(event.data)
+            elif event.type == "stderr":
+                err += event.data
+                if on_stderr is not None:
+                    on_stderr(event.data)
+            elif event.type == "exit":
+                result = CommandResult(_exit_code(event), bytes(out), bytes(err), event.signal)
+        if result is None:
+            raise errors.Internal(f"the event stream of command {self.id} ended without an exit event")
+        return result
+
+    def send_stdin(self, data: bytes, eof: bool = False) -> None:
+        params = {"eof": "true"} if eof else None
+        headers = {"Content-Type": "application/octet-stream"}
+        self._http.request("POST", f"{self._path}/stdin", params=params, content=data, headers=headers)
+
+    def signal(self, sig: str | int = "SIGTERM") -> None:
+        self._http.request("POST", f"{self._path}/signal", json={"signal": sig})
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._http.request("POST", f"{self._path}/resize", json={"rows": rows, "cols": cols})
+
+
+def _exit_code(event: Event) -> int:
+    if event.exit_code is not None:
+        return event.exit_code
+    # The shell convention for a process killed by a signal.
+    return 128 + event.signal if event.signal is not None else -1

@@ -1,0 +1,197 @@
+"""``space serve``: the whole platform in one process tree on embedded defaults.
+
+The API and the controller run in this process; the node agent runs as a child process (it would be
+a separate host in a cluster) and is reached only through its authenticated node API over a unix
+socket. Sandboxes run in their own sessions and outlive both: a restarted server adopts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from space.api.app import create_app
+from space.api.state import AppState
+from space.api.templates import queue_build
+from space.config import ServeSettings
+from space.controller import Controller, NodeRegistry
+from space.errors import NotFound, SpaceError, Unavailable
+from space.node.client import NodeClient
+from space.node.main import channel_dir_for
+from space.node.templates import BASE_SPEC
+from space.store import Store
+
+log = structlog.get_logger("space.serve")
+
+NODE_ID = "node-1"
+TEMPLATE_SPECS = {"base": BASE_SPEC}
+
+
+def _secret_file(path: Path, nbytes: int = 32) -> str:
+    """Read a secret file, creating it (mode 0600) on first start."""
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_urlsafe(nbytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
+
+
+class NodeProcess:
+    """The node agent child: started, watched, restarted if it dies, stopped with us."""
+
+    def __init__(self, settings: ServeSettings, socket: Path, token_file: Path) -> None:
+        self.settings = settings
+        self.socket = socket
+        self.token_file = token_file
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        s = self.settings
+        argv = [
+            sys.executable, "-m", "space.cli.main", "node", "run",
+            "--data-dir", str(s.data_dir), "--socket", str(self.socket),
+            "--token-file", str(self.token_file), "--node-id", NODE_ID,
+            "--cache-dir", str(s.cache_dir), "--pool-size-gb", str(s.pool_size_gb),
+            "--max-upload-bytes", str(s.max_upload_bytes), "--die-with-parent",
+        ]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        log.info("node.spawned", pid=self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def wait_node_ready(client: NodeClient, node: NodeProcess, timeout: float = 300.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info: dict[str, object] = await client.call("GET", "/v1/node", timeout=5)
+            return info
+        except SpaceError:
+            if not node.alive():
+                raise Unavailable("the node agent exited during start; see its log above") from None
+            if time.monotonic() > deadline:
+                raise Unavailable("the node agent did not become ready in time") from None
+            await asyncio.sleep(0.05)
+
+
+async def ensure_admin_key(store: Store, data_dir: Path) -> None:
+    key_file = data_dir / "admin.key"
+    if key_file.exists():
+        return
+    if await store.count_api_keys() > 0:
+        log.warning("admin_key.file_missing", path=str(key_file),
+                    hint="keys exist already; create a new admin key with an existing one")
+        return
+    _row, key = await store.create_api_key("default", "admin", "bootstrap admin")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    log.info("admin_key.created", path=str(key_file))
+
+
+async def heartbeat(store: Store, client: NodeClient, node: NodeProcess, every: float = 5.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        if not node.alive():
+            log.error("node.died", returncode=node.proc.returncode if node.proc else None)
+            node.start()
+            with contextlib.suppress(SpaceError):
+                await wait_node_ready(client, node, timeout=120)
+            continue
+        with contextlib.suppress(SpaceError):
+            info = await client.call("GET", "/v1/node", timeout=5)
+            await store.heartbeat_node(NODE_ID, {"pool": info.get("pool"), "sandboxes": info.get("sandboxes")})
+
+
+async def bootstrap_templates(st: AppState, names: tuple[str, ...]) -> None:
+    for name in names:
+        spec = TEMPLATE_SPECS.get(name)
+        if spec is None:
+            continue
+        try:
+            t = await st.store.get_template(name)
+            if t.status == "ready":
+                continue
+        except NotFound:
+            pass
+        op, _ = await queue_build(st, name, spec, tenant="default")
+        log.info("template.bootstrap_build", template=name, operation=op.id)
+
+
+async def serve(settings: ServeSettings) -> None:
+    data = settings.data_dir.resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    os.chmod(data, 0o700)
+    secret = _secret_file(data / "secret.key")
+    token_file = data / "node.token"
+    token = _secret_file(token_file)
+    socket = channel_dir_for(data) / "node.sock"
+
+    node = NodeProcess(settings, socket, token_file)
+    node.start()
+    client = NodeClient(NODE_ID, f"unix://{socket}", token)
+    store: Store | None = None
+    nodes: NodeRegistry | None = None
+    try:
+        info = await wait_node_ready(client, node)
+        log.info("node.ready", node=NODE_ID, templates=info.get("templates"))
+        store = await Store.open(settings.resolved_database_url())
+        await ensure_admin_key(store, data)
+        await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
+        nodes = NodeRegistry(store)
+        controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS)
+        await controller.sync_templates()
+        state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
+                         max_upload_bytes=settings.max_upload_bytes)
+        await bootstrap_templates(state, settings.bootstrap_templates)
+        (data / "objects").mkdir(exist_ok=True)
+
+        host, _, port = settings.listen.rpartition(":")
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(state), host=host or "127.0.0.1", port=int(port), log_level="warning",
+            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        ))
+        async with asyncio.TaskGroup() as tg:
+            ctl = tg.create_task(controller.run())
+            hb = tg.create_task(heartbeat(store, client, node))
+            log.info("serve.listening", url=f"http://{settings.listen}", data_dir=str(data))
+            await server.serve()
+            ctl.cancel()
+            hb.cancel()
+    finally:
+        await client.aclose()
+        if nodes is not None:
+            await nodes.aclose()
+        if store is not None:
+            await store.close()
+        await node.stop()
+        log.info("serve.stopped")
+
+
+def run(settings: ServeSettings) -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings))

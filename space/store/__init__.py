@@ -1,0 +1,10 @@
+"""The control plane's SQL store: SQLite embedded, PostgreSQL for several replicas.
+
+``await Store.open(url)`` connects and migrates; every method is one short transaction and
+returns detached rows of the models below.
+"""
+
+from space.store.models import ApiKey, Node, Operation, OperationLog, Sandbox, Template
+from space.store.repo import Store
+
+__all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "Store", "Template"]

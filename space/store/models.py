@@ -1,0 +1,194 @@
+"""The control plane's tables, as typed SQLAlchemy declarative models.
+
+Rows are plain data: the store returns them detached and fully loaded, and the API layer serializes
+them. The initial migration (``migrations/versions/0001_initial.py``) must create exactly this
+schema; ``tests/store/test_store_migrations.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from space.lifecycle import State
+
+#: Deterministic constraint names, so that migrations can name what they alter or drop.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+API_KEY_ROLES = ("admin", "member", "readonly")
+NODE_STATES = ("ready", "down")
+TEMPLATE_STATUSES = ("building", "ready", "failed")
+OPERATION_STATUSES = ("pending", "running", "succeeded", "failed")
+OPERATION_FINAL = ("succeeded", "failed")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timezone-aware UTC timestamp on every dialect.
+
+    SQLite has no time zones: it stores the UTC wall time as text (which keeps ``<`` comparisons
+    right) and we put ``tzinfo=UTC`` back on the way out. Naive datetimes are refused, because
+    guessing their zone is how lease expiries drift by hours.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: store only timezone-aware timestamps")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+
+class StateType(TypeDecorator[State]):
+    """A sandbox state: a short string in the database, a :class:`State` in Python."""
+
+    impl = String(16)
+    cache_ok = True
+
+    def process_bind_param(self, value: State | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else State(value).value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> State | None:
+        return None if value is None else State(value)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(256), default="")
+    #: The first 8 characters of the key, shown in listings so a user can tell keys apart.
+    prefix: Mapped[str] = mapped_column(String(8))
+    #: sha256 hex of the key. Keys are high-entropy random tokens, so a slow KDF would add nothing.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    url: Mapped[str] = mapped_column(Text)
+    token: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="ready")
+    capacity: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Template(Base):
+    __tablename__ = "templates"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Sandbox(Base):
+    __tablename__ = "sandboxes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    template: Mapped[str] = mapped_column(String(128))
+    template_digest: Mapped[str | None] = mapped_column(String(128))
+    state: Mapped[State] = mapped_column(StateType(), default=State.CREATING)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    instance_id: Mapped[str | None] = mapped_column(String(64))
+    cpu: Mapped[float] = mapped_column(Float)
+    memory_mb: Mapped[int] = mapped_column(Integer)
+    env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    #: ``metadata`` is taken by the declarative base, hence the attribute name.
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSON, default=dict)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    terminated_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: Bumped by every update, so that a reader can tell whether what it saw is still current.
+    generation: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class Operation(Base):
+    __tablename__ = "operations"
+    __table_args__ = (UniqueConstraint("tenant", "idempotency_key"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(128), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+# The claim query scans for work by status in creation order.
+Index("ix_operations_status_created_at", Operation.status, Operation.created_at)
+
+
+class OperationLog(Base):
+    __tablename__ = "operation_logs"
+
+    op_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("operations.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    line: Mapped[str] = mapped_column(Text)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

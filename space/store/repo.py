@@ -1,0 +1,656 @@
+"""The store: every read and write the control plane makes, one short transaction each.
+
+Concurrency rules, the same on both dialects:
+
+- A write transaction that reads before it writes locks what it reads: ``SELECT ... FOR UPDATE`` on
+  PostgreSQL, ``BEGIN IMMEDIATE`` (the database write lock, taken up front) on SQLite, where the
+  dialect leaves FOR UPDATE out. Within one process SQLite writers also queue on an asyncio lock.
+- Idempotent creates rely on the unique ``(tenant, idempotency_key)`` constraint: the loser of a
+  race gets an IntegrityError, rolls back and reads the winner's rows.
+- Claims are conditional UPDATEs whose WHERE repeats the claimability test, so two controllers can
+  never both win the same operation; PostgreSQL also skips rows another claimer has locked.
+
+Rows are returned detached and fully loaded. Database failures leave as :mod:`space.errors`
+classes: connection trouble and lock timeouts as ``Unavailable`` (retryable), constraint
+violations as ``Conflict``, anything else as ``Internal``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, Self, TypeVar, cast
+
+import structlog
+from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from space import ids
+from space.errors import Conflict, Internal, InvalidRequest, InvalidState, NotFound, Unavailable
+from space.lifecycle import State, allowed_actions, transition
+from space.store import db
+from space.store.models import (
+    API_KEY_ROLES,
+    NODE_STATES,
+    OPERATION_FINAL,
+    TEMPLATE_STATUSES,
+    ApiKey,
+    Base,
+    Node,
+    Operation,
+    OperationLog,
+    Sandbox,
+    Template,
+    utcnow,
+)
+
+log = structlog.get_logger(__name__)
+
+_M = TypeVar("_M", bound=Base)
+_T = TypeVar("_T")
+
+#: Sandbox columns a caller may change besides the state.
+SANDBOX_FIELDS = frozenset(
+    {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
+     "error_code", "error_message"}
+)
+
+API_KEY_PREFIX = "sk_"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _rowcount(result: Any) -> int:
+    return cast(CursorResult[Any], result).rowcount
+
+
+class Store:
+    """The control plane's SQL store (SQLite embedded, PostgreSQL for several replicas)."""
+
+    url: str
+    dialect: str
+
+    def __init__(self, url: str, engine: AsyncEngine) -> None:
+        self.url = url
+        self.dialect = engine.dialect.name
+        self._engine = engine
+        writer = engine.execution_options(**{db.WRITE_OPTION: True})
+        self._sessionmaker = async_sessionmaker(writer, expire_on_commit=False)
+        self._reader = async_sessionmaker(engine, expire_on_commit=False)
+        self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+
+    @classmethod
+    async def open(cls, url: str) -> Store:
+        """Connect and bring the schema to the newest migration."""
+        with _translate_errors():
+            engine = db.create_engine(url)
+        try:
+            await _translated(db.migrate(engine))
+        except BaseException:
+            await engine.dispose()
+            raise
+        log.debug("store opened", dialect=engine.dialect.name)
+        return cls(url, engine)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def _tx(self, *, write: bool = True) -> AsyncIterator[AsyncSession]:
+        if write and self._write_lock is not None:
+            # SQLite has one writer at a time anyway: queueing our own writers here is much
+            # cheaper than letting them poll the file lock in SQLite's busy handler.
+            async with self._write_lock, self._session(write) as s:
+                yield s
+        else:
+            async with self._session(write) as s:
+                yield s
+
+    @contextlib.asynccontextmanager
+    async def _session(self, write: bool) -> AsyncIterator[AsyncSession]:
+        maker = self._sessionmaker if write else self._reader
+        with _translate_errors():
+            async with maker() as s, s.begin():
+                yield s
+
+    def _insert(self, model: type[Base]) -> postgresql.Insert | sqlite.Insert:
+        if self.dialect == "postgresql":
+            return postgresql.insert(model)
+        return sqlite.insert(model)
+
+    async def _get(
+        self, s: AsyncSession, model: type[_M], key: Any, what: str, *, lock: bool = False
+    ) -> _M:
+        row = await s.get(model, key, with_for_update=lock or None)
+        if row is None:
+            raise NotFound(f"{what} {key} not found")
+        return row
+
+    # ---- api keys -------------------------------------------------------------------------------
+
+    async def create_api_key(self, tenant: str, role: str, name: str = "") -> tuple[ApiKey, str]:
+        """Create a key; returns the row and the plaintext key, which is never stored."""
+        if role not in API_KEY_ROLES:
+            raise InvalidRequest(f"invalid role {role!r}: must be one of {', '.join(API_KEY_ROLES)}")
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        key = API_KEY_PREFIX + secrets.token_urlsafe(30)  # 30 bytes -> 40 urlsafe characters
+        row = ApiKey(
+            id=ids.apikey_id(), tenant=tenant, role=role, name=name, prefix=key[:8],
+            key_hash=hash_key(key), created_at=utcnow(), revoked_at=None,
+        )
+        async with self._tx() as s:
+            s.add(row)
+        return row, key
+
+    async def authenticate(self, key: str) -> ApiKey | None:
+        """The active key with this plaintext, or None (unknown or revoked)."""
+        async with self._tx(write=False) as s:
+            row = await s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+        if row is None or row.revoked_at is not None:
+            return None
+        return row
+
+    async def list_api_keys(
+        self, tenant: str | None = None, *, include_revoked: bool = False
+    ) -> list[ApiKey]:
+        q = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+        if tenant is not None:
+            q = q.where(ApiKey.tenant == tenant)
+        if not include_revoked:
+            q = q.where(ApiKey.revoked_at.is_(None))
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def revoke_api_key(self, key_id: str) -> None:
+        """Revoke a key (idempotent: a revoked key keeps its first revocation time)."""
+        async with self._tx() as s:
+            row = await self._get(s, ApiKey, key_id, "api key", lock=True)
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()
+
+    async def count_api_keys(self) -> int:
+        """Active (unrevoked) keys: zero means the server must bootstrap an admin key."""
+        async with self._tx(write=False) as s:
+            n = await s.scalar(select(func.count()).select_from(ApiKey).where(ApiKey.revoked_at.is_(None)))
+        return int(n or 0)
+
+    # ---- nodes ----------------------------------------------------------------------------------
+
+    async def upsert_node(self, node_id: str, url: str, token: str, capacity: dict[str, Any]) -> Node:
+        """Register a node, or refresh its address, token and capacity; either way it is ready."""
+        now = utcnow()
+        stmt = self._insert(Node).values(
+            id=node_id, url=url, token=token, state="ready", capacity=capacity,
+            heartbeat_at=now, created_at=now,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[Node.id],
+            set_={"url": url, "token": token, "state": "ready", "capacity": capacity, "heartbeat_at": now},
+        )
+        async with self._tx() as s:
+            await s.execute(stmt)
+            return await self._get(s, Node, node_id, "node")
+
+    async def heartbeat_node(self, node_id: str, capacity: dict[str, Any]) -> None:
+        """Record that the node is alive (a down node comes back ready)."""
+        async with self._tx() as s:
+            res = await s.execute(
+                update(Node).where(Node.id == node_id)
+                .values(capacity=capacity, heartbeat_at=utcnow(), state="ready")
+                .execution_options(synchronize_session=False)
+            )
+            if _rowcount(res) == 0:
+                raise NotFound(f"node {node_id} not found")
+
+    async def set_node_state(self, node_id: str, state: str) -> Node:
+        if state not in NODE_STATES:
+            raise InvalidRequest(f"invalid node state {state!r}: must be one of {', '.join(NODE_STATES)}")
+        async with self._tx() as s:
+            node = await self._get(s, Node, node_id, "node", lock=True)
+            node.state = state
+            return node
+
+    async def mark_stale_nodes_down(self, stale_after: float) -> list[str]:
+        """Mark ready nodes whose last heartbeat is older than ``stale_after`` seconds down."""
+        cutoff = utcnow() - dt.timedelta(seconds=stale_after)
+        stale = and_(Node.state == "ready", Node.heartbeat_at < cutoff)
+        async with self._tx() as s:
+            node_ids = list(await s.scalars(select(Node.id).where(stale).with_for_update()))
+            if node_ids:
+                await s.execute(
+                    update(Node).where(Node.id.in_(node_ids), stale).values(state="down")
+                    .execution_options(synchronize_session=False)
+                )
+        return node_ids
+
+    async def list_nodes(self, state: str | None = "ready") -> list[Node]:
+        q = select(Node).order_by(Node.id)
+        if state is not None:
+            q = q.where(Node.state == state)
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def get_node(self, node_id: str) -> Node:
+        async with self._tx(write=False) as s:
+            return await self._get(s, Node, node_id, "node")
+
+    # ---- templates ------------------------------------------------------------------------------
+
+    async def upsert_template(
+        self,
+        name: str,
+        *,
+        digest: str,
+        status: str,
+        spec: dict[str, Any],
+        size_bytes: int | None = None,
+        error: str | None = None,
+    ) -> Template:
+        if status not in TEMPLATE_STATUSES:
+            raise InvalidRequest(
+                f"invalid template status {status!r}: must be one of {', '.join(TEMPLATE_STATUSES)}"
+            )
+        now = utcnow()
+        values = {"digest": digest, "status": status, "spec": spec, "size_bytes": size_bytes,
+                  "error": error, "updated_at": now}
+        stmt = self._insert(Template).values(name=name, created_at=now, **values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[Template.name], set_=values
+        )
+        async with self._tx() as s:
+            await s.execute(stmt)
+            return await self._get(s, Template, name, "template")
+
+    async def get_template(self, name: str) -> Template:
+        async with self._tx(write=False) as s:
+            return await self._get(s, Template, name, "template")
+
+    async def list_templates(self) -> list[Template]:
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(select(Template).order_by(Template.name)))
+
+    # ---- sandboxes ------------------------------------------------------------------------------
+
+    async def create_sandbox(self, sandbox: Sandbox, op: Operation) -> tuple[Sandbox, Operation, bool]:
+        """Insert a sandbox and the operation that creates it, atomically.
+
+        With ``op.idempotency_key`` set and already used by the tenant, nothing is written and the
+        existing pair comes back with ``False``.
+        """
+        if sandbox.tenant != op.tenant:
+            raise InvalidRequest("the sandbox and its operation must belong to the same tenant")
+        if op.target is None:
+            op.target = sandbox.id
+        now = utcnow()
+        _prepare_sandbox(sandbox, now)
+        _prepare_operation(op, now)
+
+        async def existing(s: AsyncSession) -> tuple[Sandbox, Operation, bool] | None:
+            prior = await self._find_idempotent(s, op)
+            if prior is None:
+                return None
+            sb = await s.get(Sandbox, prior.target)
+            if sb is None:
+                raise Conflict(
+                    f"idempotency key {op.idempotency_key!r} was used for a request without a sandbox"
+                )
+            return sb, prior, False
+
+        def insert(s: AsyncSession) -> tuple[Sandbox, Operation, bool]:
+            s.add_all([sandbox, op])
+            return sandbox, op, True
+
+        return await self._idempotent_create(op, existing, insert)
+
+    async def get_sandbox(self, sandbox_id: str, tenant: str | None = None) -> Sandbox:
+        """A sandbox; another tenant's is NotFound, exactly like a missing one."""
+        async with self._tx(write=False) as s:
+            sb = await s.get(Sandbox, sandbox_id)
+        if sb is None or (tenant is not None and sb.tenant != tenant):
+            raise NotFound(f"sandbox {sandbox_id} not found")
+        return sb
+
+    async def list_sandboxes(
+        self,
+        tenant: str | None = None,
+        states: Sequence[str] | None = None,
+        node_id: str | None = None,
+    ) -> list[Sandbox]:
+        q = select(Sandbox).order_by(Sandbox.created_at, Sandbox.id)
+        if tenant is not None:
+            q = q.where(Sandbox.tenant == tenant)
+        if states is not None:
+            q = q.where(Sandbox.state.in_([State(st) for st in states]))
+        if node_id is not None:
+            q = q.where(Sandbox.node_id == node_id)
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def set_sandbox_state(
+        self,
+        sandbox_id: str,
+        state: State | str,
+        *,
+        expect: State | str | Sequence[State | str] | None = None,
+        **fields: Any,
+    ) -> Sandbox:
+        """Move a sandbox to ``state`` (checked by :func:`space.lifecycle.transition`).
+
+        ``expect`` makes it a compare-and-set: unless the current state is one of those given,
+        InvalidState is raised and nothing changes. ``fields`` are set in the same write.
+        """
+        _check_sandbox_fields(fields)
+        expected = None if expect is None else _states(expect)
+        async with self._tx() as s:
+            sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
+            current = State(sb.state)
+            if expected is not None and current not in expected:
+                raise InvalidState(
+                    f"sandbox {sandbox_id} is {current.value}, expected "
+                    + " or ".join(sorted(st.value for st in expected)),
+                    state=current.value,
+                    allowed=allowed_actions(current),
+                )
+            new = transition(current, state)
+            now = utcnow()
+            for name, value in fields.items():
+                setattr(sb, name, value)
+            sb.state = new
+            sb.generation += 1
+            sb.updated_at = now
+            if new == State.TERMINATED and sb.terminated_at is None:
+                sb.terminated_at = now
+            return sb
+
+    async def update_sandbox(self, sandbox_id: str, **fields: Any) -> Sandbox:
+        """Change non-state columns (see ``SANDBOX_FIELDS``)."""
+        _check_sandbox_fields(fields)
+        async with self._tx() as s:
+            sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
+            for name, value in fields.items():
+                setattr(sb, name, value)
+            sb.generation += 1
+            sb.updated_at = utcnow()
+            return sb
+
+    # ---- operations -----------------------------------------------------------------------------
+
+    async def create_operation(self, op: Operation) -> tuple[Operation, bool]:
+        """Insert an operation; an idempotency key the tenant already used returns that one."""
+        _prepare_operation(op, utcnow())
+
+        async def existing(s: AsyncSession) -> tuple[Operation, bool] | None:
+            prior = await self._find_idempotent(s, op)
+            return None if prior is None else (prior, False)
+
+        def insert(s: AsyncSession) -> tuple[Operation, bool]:
+            s.add(op)
+            return op, True
+
+        return await self._idempotent_create(op, existing, insert)
+
+    async def _find_idempotent(self, s: AsyncSession, op: Operation) -> Operation | None:
+        if op.idempotency_key is None:
+            return None
+        prior = await s.scalar(
+            select(Operation).where(
+                Operation.tenant == op.tenant, Operation.idempotency_key == op.idempotency_key
+            )
+        )
+        if prior is not None and prior.kind != op.kind:
+            raise Conflict(
+                f"idempotency key {op.idempotency_key!r} was already used for a {prior.kind} operation",
+                operation_id=prior.id,
+            )
+        return prior
+
+    async def _idempotent_create(
+        self,
+        op: Operation,
+        existing: Callable[[AsyncSession], Any],
+        insert: Callable[[AsyncSession], _T],
+    ) -> _T:
+        try:
+            async with self._tx() as s:
+                found = await existing(s)
+                if found is not None:
+                    return cast(_T, found)
+                return insert(s)
+        except Conflict:
+            if op.idempotency_key is None:
+                raise
+        # A concurrent request with the same key committed first (the unique constraint stopped
+        # us): its rows are visible now.
+        log.debug("idempotent create lost a race", key=op.idempotency_key, tenant=op.tenant)
+        async with self._tx(write=False) as s:
+            found = await existing(s)
+        if found is None:
+            raise Conflict(f"operation {op.id} conflicts with an existing row")
+        return cast(_T, found)
+
+    async def get_operation(self, op_id: str, tenant: str | None = None) -> Operation:
+        async with self._tx(write=False) as s:
+            op = await s.get(Operation, op_id)
+        if op is None or (tenant is not None and op.tenant != tenant):
+            raise NotFound(f"operation {op_id} not found")
+        return op
+
+    async def find_operations(
+        self,
+        *,
+        target: str | None = None,
+        status: Sequence[str] | None = None,
+        kind: str | None = None,
+    ) -> list[Operation]:
+        q = select(Operation).order_by(Operation.created_at, Operation.id)
+        if target is not None:
+            q = q.where(Operation.target == target)
+        if status is not None:
+            q = q.where(Operation.status.in_(list(status)))
+        if kind is not None:
+            q = q.where(Operation.kind == kind)
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def claim_operation(
+        self,
+        owner: str,
+        lease_seconds: float,
+        kinds: Sequence[str] | None = None,
+        op_id: str | None = None,
+    ) -> Operation | None:
+        """Take the oldest pending operation, or a running one whose lease expired.
+
+        The claim sets ``running``, the lease and ``attempts += 1``. With ``op_id`` only that
+        operation is considered. None when there is nothing to take.
+        """
+        now = utcnow()
+        claimable = or_(
+            Operation.status == "pending",
+            and_(
+                Operation.status == "running",
+                or_(Operation.lease_expires_at.is_(None), Operation.lease_expires_at < now),
+            ),
+        )
+        where: list[ColumnElement[bool]] = [claimable]
+        if kinds is not None:
+            where.append(Operation.kind.in_(list(kinds)))
+        if op_id is not None:
+            where.append(Operation.id == op_id)
+        candidates = select(Operation.id).where(*where).order_by(Operation.created_at, Operation.id)
+        if self.dialect == "postgresql":
+            # Claimers skip each other's candidates instead of queueing behind them.
+            candidates = candidates.with_for_update(skip_locked=True)
+        async with self._tx() as s:
+            for cand in list(await s.scalars(candidates.limit(8))):
+                res = await s.execute(
+                    update(Operation)
+                    .where(Operation.id == cand, claimable)
+                    .values(
+                        status="running",
+                        lease_owner=owner,
+                        lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
+                        attempts=Operation.attempts + 1,
+                        updated_at=now,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                if _rowcount(res) == 1:
+                    claimed = await self._get(s, Operation, cand, "operation")
+                    log.debug("operation claimed", op_id=cand, owner=owner, attempts=claimed.attempts)
+                    return claimed
+        return None
+
+    async def renew_lease(self, op_id: str, owner: str, lease_seconds: float) -> bool:
+        """Extend ``owner``'s lease; False if the operation is no longer running under it."""
+        now = utcnow()
+        async with self._tx() as s:
+            res = await s.execute(
+                update(Operation)
+                .where(Operation.id == op_id, Operation.status == "running", Operation.lease_owner == owner)
+                .values(lease_expires_at=now + dt.timedelta(seconds=lease_seconds), updated_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            return _rowcount(res) == 1
+
+    async def set_operation_progress(self, op_id: str, progress: dict[str, Any]) -> None:
+        async with self._tx() as s:
+            res = await s.execute(
+                update(Operation).where(Operation.id == op_id)
+                .values(progress=progress, updated_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+            if _rowcount(res) == 0:
+                raise NotFound(f"operation {op_id} not found")
+
+    async def finish_operation(
+        self,
+        op_id: str,
+        status: str,
+        *,
+        result: dict[str, Any] | None = None,
+        error_code: str | None = None,
+        error_message: str | None = None,
+        owner: str | None = None,
+    ) -> Operation:
+        """Record the outcome and release the lease.
+
+        With ``owner``, only the holder of the lease may finish (Conflict otherwise), so a
+        controller that lost its lease cannot overwrite the work of the one that took over.
+        """
+        if status not in OPERATION_FINAL:
+            raise InvalidRequest(f"invalid final status {status!r}: must be succeeded or failed")
+        async with self._tx() as s:
+            op = await self._get(s, Operation, op_id, "operation", lock=True)
+            if owner is not None and op.lease_owner != owner:
+                raise Conflict(
+                    f"operation {op_id} is leased by {op.lease_owner!r}, not {owner!r}",
+                    lease_owner=op.lease_owner,
+                )
+            now = utcnow()
+            op.status = status
+            op.result = result
+            op.error_code = error_code
+            op.error_message = error_message
+            op.lease_expires_at = None
+            op.finished_at = now
+            op.updated_at = now
+            return op
+
+    async def append_operation_logs(self, op_id: str, lines: Sequence[str]) -> int:
+        """Append lines (numbered from 1 per operation); returns the last sequence number."""
+        async with self._tx() as s:
+            # Locking the operation row serializes appenders, so sequence numbers never collide.
+            found = await s.scalar(select(Operation.id).where(Operation.id == op_id).with_for_update())
+            if found is None:
+                raise NotFound(f"operation {op_id} not found")
+            last = await s.scalar(
+                select(func.coalesce(func.max(OperationLog.seq), 0)).where(OperationLog.op_id == op_id)
+            )
+            seq = int(last or 0)
+            if lines:
+                now = utcnow()
+                s.add_all(
+                    OperationLog(op_id=op_id, seq=seq + i, line=line, at=now)
+                    for i, line in enumerate(lines, start=1)
+                )
+            return seq + len(lines)
+
+    async def get_operation_logs(self, op_id: str, after: int = 0, limit: int = 1000) -> list[OperationLog]:
+        """Lines with ``seq > after``, oldest first, at most ``limit``."""
+        q = (
+            select(OperationLog)
+            .where(OperationLog.op_id == op_id, OperationLog.seq > after)
+            .order_by(OperationLog.seq)
+            .limit(limit)
+        )
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+
+
+def _states(expect: State | str | Sequence[State | str]) -> frozenset[State]:
+    if isinstance(expect, str):  # a State is a str too
+        return frozenset({State(expect)})
+    return frozenset(State(st) for st in expect)
+
+
+def _check_sandbox_fields(fields: Iterable[str]) -> None:
+    bad = sorted(set(fields) - SANDBOX_FIELDS)
+    if bad:
+        raise InvalidRequest(f"cannot set sandbox field(s) {', '.join(bad)}")
+
+
+def _prepare_sandbox(sb: Sandbox, now: dt.datetime) -> None:
+    sb.state = State(sb.state or State.CREATING)
+    sb.env = dict(sb.env or {})
+    sb.meta = dict(sb.meta or {})
+    sb.generation = sb.generation or 1
+    sb.created_at = sb.created_at or now
+    sb.updated_at = sb.updated_at or now
+
+
+def _prepare_operation(op: Operation, now: dt.datetime) -> None:
+    op.status = op.status or "pending"
+    op.request = dict(op.request or {})
+    op.attempts = op.attempts or 0
+    op.created_at = op.created_at or now
+    op.updated_at = op.updated_at or now
+
+
+@contextlib.contextmanager
+def _translate_errors() -> Any:
+    try:
+        yield
+    except IntegrityError as e:
+        raise Conflict(f"conflicting row: {_orig(e)}") from e
+    except (OperationalError, InterfaceError) as e:
+        raise Unavailable(f"database unavailable: {_orig(e)}") from e
+    except DBAPIError as e:
+        raise Internal(f"database error: {_orig(e)}") from e
+    except OSError as e:  # asyncpg raises these directly while connecting
+        raise Unavailable(f"database unavailable: {e}") from e
+
+
+async def _translated(aw: Any) -> Any:
+    with _translate_errors():
+        return await aw
+
+
+def _orig(e: DBAPIError) -> str:
+    return str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e)

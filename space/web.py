@@ -1,0 +1,70 @@
+"""HTTP plumbing shared by the public API and the node API: JSON errors and SSE framing."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from space.errors import Internal, SpaceError, ValidationFailed, from_wire
+
+log = structlog.get_logger("space.web")
+
+
+def error_response(exc: SpaceError) -> JSONResponse:
+    return JSONResponse(exc.to_wire(), status_code=exc.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as ``{"error": {"code", "message"}}`` with the status of its class."""
+
+    @app.exception_handler(SpaceError)
+    async def _space(_: Request, exc: SpaceError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()
+        ]
+        first = problems[0] if problems else {"loc": [], "msg": "invalid"}
+        msg = f"{'.'.join(first['loc'])}: {first['msg']}"
+        return error_response(ValidationFailed(msg, problems=problems))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = from_wire(exc.status_code, {"error": {"code": "", "message": str(exc.detail)}})
+        return JSONResponse(err.to_wire(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request.unhandled", error=repr(exc))
+        return error_response(Internal("internal error; see the server log"))
+
+
+def sse(event: str, data: dict[str, Any], event_id: int | str | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+_FD_NAMES = {1: "stdout", 2: "stderr"}
+
+
+def guest_event_to_sse(header: dict[str, Any], payload: bytes) -> bytes:
+    """Translate one guest event (out/gap/exit) into the public SSE wire form."""
+    kind = header.get("kind")
+    seq = int(header.get("seq", 0))
+    if kind == "out":
+        name = _FD_NAMES.get(int(header.get("fd", 1)), "stdout")
+        return sse(name, {"seq": seq, "data": base64.b64encode(payload).decode()}, seq)
+    if kind == "exit":
+        return sse("exit", {"seq": seq, "exit_code": header.get("exit_code"), "signal": header.get("signal")}, seq)
+    if kind == "gap":
+        return sse("gap", {"seq": seq, "lost_bytes": header.get("lost_bytes", 0)}, seq)
+    return sse(str(kind), {"seq": seq}, seq)

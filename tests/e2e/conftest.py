@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import Server, free_port, runtime_available
+
+
+def _loop_devices(image: Path) -> str:
+    return subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    reason = runtime_available()
+    if reason:
+        pytest.skip(reason)
+    data = tmp_path_factory.mktemp("srv")
+    srv = Server(data_dir=data / "data", port=free_port(), log_path=data / "serve.log")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.teardown()
+        assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[Server]:
+    """A server of its own, for tests that kill or restart it."""
+    reason = runtime_available()
+    if reason:
+        pytest.skip(reason)
+    srv = Server(data_dir=tmp_path / "data", port=free_port(), log_path=tmp_path / "serve.log")
+    try:
+        yield srv
+    finally:
+        srv.teardown()
+        assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"

@@ -1,0 +1,203 @@
+"""A real ``space serve`` in a subprocess, for end-to-end tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+SPACE = str(Path(sys.executable).parent / "space")
+
+
+def runtime_available() -> str | None:
+    """None when real sandboxes can run here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root (btrfs, loop devices, runsc)"
+    for tool in ("runsc", "mkfs.btrfs", "debootstrap"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (make setup)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+@dataclasses.dataclass
+class Server:
+    data_dir: Path
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    admin_key: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str | None = None, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout,
+                            headers={"authorization": f"Bearer {key or self.admin_key}"})
+
+    def start(self, *, wait_template: bool = True) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
+        self.proc = subprocess.Popen(
+            [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
+             "--pool-size-gb", "16", "--max-upload-mb", "64"],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
+        )
+        log.close()
+        wait_for(self._healthy, 300, "the server to answer /healthz")
+        self.admin_key = (self.data_dir / "admin.key").read_text().strip()
+        if wait_template:
+            self.wait_template("base")
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"space serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_template(self, name: str, timeout: float = 1800) -> None:
+        with self.client() as c:
+            def ready() -> bool:
+                r = c.get(f"/v1/templates/{name}")
+                if r.status_code == 200 and r.json()["status"] == "failed":
+                    raise AssertionError(f"template {name} failed: {r.json()}\n{self.log_tail()}")
+                return r.status_code == 200 and r.json()["status"] == "ready"
+            wait_for(ready, timeout, f"template {name}", interval=0.5)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (its node agent dies with it)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        # The node agent follows through PR_SET_PDEATHSIG; wait until its socket is released.
+        wait_for(lambda: not _node_agent_running(self.data_dir), 30, "the node agent to exit")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        with contextlib.suppress(Exception):
+            wait_for(lambda: not _node_agent_running(self.data_dir), 30, "the node agent to exit")
+
+    def teardown(self) -> None:
+        """Stop the server and release every sandbox, mount and loop device it made."""
+        self.stop()
+        subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir)], check=True,
+                       capture_output=True, timeout=300)
+
+
+def _node_agent_running(data_dir: Path) -> bool:
+    needle = f"--data-dir\x00{data_dir}\x00".encode()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
+            return True
+    return False
+
+
+def wait_operation(c: httpx.Client, op_id: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = c.get(f"/v1/operations/{op_id}", params={"wait": 10})
+        r.raise_for_status()
+        op: dict[str, Any] = r.json()
+        if op["status"] in ("succeeded", "failed"):
+            return op
+        if time.monotonic() > deadline:
+            raise AssertionError(f"operation {op_id} still {op['status']} after {timeout}s")
+
+
+def read_events(c: httpx.Client, sandbox_id: str, cid: str, *, after: int | None = None,
+                headers: dict[str, str] | None = None, params: dict[str, Any] | None = None,
+                limit: int | None = None) -> list[dict[str, Any]]:
+    """Read a command's SSE stream into a list of {"id", "event", "data"} (until exit or ``limit``)."""
+    import json
+
+    out: list[dict[str, Any]] = []
+    q = dict(params or {})
+    if after is not None:
+        q["after"] = after
+    with c.stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events", params=q,
+                  headers=headers or {}) as r:
+        if r.status_code != 200:
+            r.read()
+            raise AssertionError(f"events: {r.status_code} {r.text}")
+        ev: dict[str, Any] = {}
+        for line in r.iter_lines():
+            if not line:
+                if ev:
+                    ev["data"] = json.loads(ev.get("data", "null"))
+                    out.append(ev)
+                    if ev.get("event") == "exit" or (limit is not None and len(out) >= limit):
+                        return out
+                ev = {}
+                continue
+            key, _, value = line.partition(":")
+            ev[key] = value[1:] if value.startswith(" ") else value
+    return out
+
+
+def run(c: httpx.Client, sandbox_id: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
+    """Start a command and collect (exit_code, stdout, stderr)."""
+    import base64
+
+    r = c.post(f"/v1/sandboxes/{sandbox_id}/commands", json=body)
+    assert r.status_code == 201, r.text
+    events = read_events(c, sandbox_id, r.json()["id"])
+    out = b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stdout")
+    err = b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stderr")
+    assert events[-1]["event"] == "exit", events[-3:]
+    return int(events[-1]["data"]["exit_code"]), out, err
+
+
+def create_sandbox(c: httpx.Client, **body: Any) -> str:
+    body.setdefault("template", "base")
+    r = c.post("/v1/sandboxes", json=body)
+    assert r.status_code == 202, r.text
+    op = wait_operation(c, r.json()["operation"]["id"])
+    assert op["status"] == "succeeded", op
+    return str(r.json()["sandbox"]["id"])

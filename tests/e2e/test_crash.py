@@ -1,0 +1,72 @@
+"""Crash convergence: SIGKILL ``space serve`` in the middle of creates; after a restart every sandbox
+ends running or cleanly failed, and no runsc container, mount or loop device is left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.e2e.harness import Server, run, wait_for, wait_operation
+
+pytestmark = pytest.mark.runtime
+
+
+def _runsc_containers(server: Server) -> set[str]:
+    out = subprocess.run(["runsc", f"--root={server.data_dir / 'runsc'}", "list", "--format=json"],
+                         capture_output=True, text=True).stdout
+    return {c["id"] for c in (json.loads(out) if out.strip() else None) or []}
+
+
+def test_sigkill_mid_create_converges(fresh_server: Server) -> None:
+    srv = fresh_server
+    srv.start()
+    with srv.client() as api:
+        ops = []
+        for _ in range(3):
+            r = api.post("/v1/sandboxes", json={"template": "base"})
+            ops.append((r.json()["sandbox"]["id"], r.json()["operation"]["id"]))
+        # Kill as soon as the first runtime instance exists: creates are in flight.
+        wait_for(lambda: _runsc_containers(srv), 60, "a runsc container to appear", interval=0.01)
+    srv.kill()
+
+    srv.start()
+    with srv.client() as api:
+        for sid, op_id in ops:
+            op = wait_operation(api, op_id, timeout=180)
+            state = api.get(f"/v1/sandboxes/{sid}").json()["state"]
+            if op["status"] == "succeeded":
+                assert state == "running"
+                assert run(api, sid, {"cmd": ["true"]})[0] == 0
+            else:
+                assert state == "failed", (op, state)
+        live = {sid for sid, _ in ops if api.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"}
+        # Exactly one runtime instance per running sandbox, none for the rest.
+        instances = _runsc_containers(srv)
+        assert {i.rsplit("-", 1)[0] for i in instances} == live
+        assert len(instances) == len(live)
+        for sid, _ in ops:
+            api.delete(f"/v1/sandboxes/{sid}")
+        wait_for(lambda: not _runsc_containers(srv), 120, "every runsc container to go")
+
+
+def test_sandboxes_survive_a_server_restart(fresh_server: Server) -> None:
+    srv = fresh_server
+    srv.start()
+    with srv.client() as api:
+        r = api.post("/v1/sandboxes", json={"template": "base"})
+        sid = r.json()["sandbox"]["id"]
+        assert wait_operation(api, r.json()["operation"]["id"])["status"] == "succeeded"
+        run(api, sid, {"shell": "echo kept > /home/user/state.txt"})
+        bg = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "sleep 1000"}).json()["id"]
+    srv.kill()
+    srv.start()
+    with srv.client() as api:
+        code, out, _ = run(api, sid, {"cmd": ["cat", "/home/user/state.txt"]})
+        assert (code, out) == (0, b"kept\n")
+        cmds = {c["id"]: c for c in api.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]}
+        assert cmds[bg]["state"] == "running"
+        api.delete(f"/v1/sandboxes/{sid}")
+
+

@@ -1,0 +1,187 @@
+"""End to end through the public API against a real ``space serve`` with gVisor sandboxes.
+
+Aspects: the create/get/list/delete contract and operations, idempotency keys, the sandbox's own
+kernel, CPU and memory limits on the host cgroup, commands (exit codes, stdout/stderr, SSE ids and
+resume, stdin, signals, PTY, env/cwd/user), tenancy, and the error contract.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.harness import Server, create_sandbox, read_events, run, wait_operation
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture(scope="module")
+def api(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sandbox(api: httpx.Client) -> Iterator[str]:
+    sid = create_sandbox(api, cpu=1, memory_mb=384, env={"SANDBOX_WIDE": "yes"})
+    yield sid
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_create_contract_and_running_state(api: httpx.Client) -> None:
+    r = api.post("/v1/sandboxes", json={"template": "base"})
+    assert r.status_code == 202
+    body = r.json()
+    assert body["sandbox"]["state"] == "creating"
+    assert body["operation"]["status"] in ("pending", "running", "succeeded")
+    op = wait_operation(api, body["operation"]["id"])
+    assert op["status"] == "succeeded" and op["error"] is None
+    sid = body["sandbox"]["id"]
+    got = api.get(f"/v1/sandboxes/{sid}").json()
+    assert got["state"] == "running" and got["template"] == "base"
+    assert sid in [s["id"] for s in api.get("/v1/sandboxes").json()["sandboxes"]]
+    d = api.delete(f"/v1/sandboxes/{sid}")
+    assert d.status_code == 202
+    assert wait_operation(api, d.json()["operation"]["id"])["status"] == "succeeded"
+    assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "terminated"
+    assert sid not in [s["id"] for s in api.get("/v1/sandboxes").json()["sandboxes"]]
+
+
+def test_idempotency_key_returns_the_same_operation(api: httpx.Client) -> None:
+    h = {"Idempotency-Key": "create-once-" + os.urandom(4).hex()}
+    a = api.post("/v1/sandboxes", json={"template": "base"}, headers=h).json()
+    b = api.post("/v1/sandboxes", json={"template": "base"}, headers=h).json()
+    assert a["operation"]["id"] == b["operation"]["id"]
+    assert a["sandbox"]["id"] == b["sandbox"]["id"]
+    wait_operation(api, a["operation"]["id"])
+    api.delete(f"/v1/sandboxes/{a['sandbox']['id']}")
+
+
+def test_own_kernel(api: httpx.Client, sandbox: str) -> None:
+    code, out, _ = run(api, sandbox, {"cmd": ["uname", "-r"]})
+    assert code == 0
+    assert out.strip() and out.strip().decode() != platform.release()
+
+
+def test_limits_applied_on_host_cgroup(api: httpx.Client, sandbox: str, server: Server) -> None:
+    sb = api.get(f"/v1/sandboxes/{sandbox}").json()
+    instance = next(Path("/sys/fs/cgroup/memory/space").glob(f"{sandbox}-*"))
+    assert int((instance / "memory.limit_in_bytes").read_text()) == 384 * 1024 * 1024
+    cpu = Path("/sys/fs/cgroup/cpu/space") / instance.name
+    assert int((cpu / "cpu.cfs_quota_us").read_text()) == int(sb["cpu"] * 100_000)
+
+
+def test_exec_exit_code_and_streams(api: httpx.Client, sandbox: str) -> None:
+    code, out, err = run(api, sandbox, {"shell": "echo out; echo err >&2; exit 7"})
+    assert (code, out, err) == (7, b"out\n", b"err\n")
+    code, out, _ = run(api, sandbox, {"cmd": ["python3", "-c", "print(6*7)"]})
+    assert (code, out) == (0, b"42\n")
+
+
+def test_exec_env_cwd_user(api: httpx.Client, sandbox: str) -> None:
+    code, out, _ = run(api, sandbox, {"shell": "echo $SANDBOX_WIDE $ONE; pwd; id -un",
+                                      "env": {"ONE": "1"}, "cwd": "/tmp"})
+    assert code == 0
+    assert out.decode().split() == ["yes", "1", "/tmp", "user"]
+    code, out, _ = run(api, sandbox, {"cmd": ["id", "-u"], "user": "root"})
+    assert out.strip() == b"0"
+
+
+def test_events_have_ids_and_resume_with_last_event_id(api: httpx.Client, sandbox: str) -> None:
+    r = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"shell": "for i in 1 2 3 4 5; do echo $i; done"})
+    cid = r.json()["id"]
+    full = read_events(api, sandbox, cid)
+    ids = [int(e["id"]) for e in full]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert full[-1]["event"] == "exit"
+    # A client that saw the first event reconnects and gets exactly the rest.
+    rest = read_events(api, sandbox, cid, headers={"Last-Event-ID": str(ids[0])})
+    assert [e["id"] for e in rest] == [e["id"] for e in full[1:]]
+    # The attach token authorizes the stream without an API key.
+    token = r.json()["attach_token"]
+    with httpx.Client(base_url=str(api.base_url)) as anon:
+        again = read_events(anon, sandbox, cid, params={"token": token})
+        assert [e["id"] for e in again] == [e["id"] for e in full]
+        bad = anon.get(f"/v1/sandboxes/{sandbox}/commands/{cid}/events", params={"token": "nope"})
+        assert bad.status_code == 401
+
+
+def test_stdin_and_signal(api: httpx.Client, sandbox: str) -> None:
+    r = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["cat"], "stdin": True})
+    cid = r.json()["id"]
+    assert api.post(f"/v1/sandboxes/{sandbox}/commands/{cid}/stdin", content=b"hello\n",
+                    params={"eof": "true"}).status_code == 204
+    events = read_events(api, sandbox, cid)
+    out = b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stdout")
+    assert out == b"hello\n" and events[-1]["data"]["exit_code"] == 0
+
+    r = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["sleep", "300"]})
+    cid = r.json()["id"]
+    assert api.post(f"/v1/sandboxes/{sandbox}/commands/{cid}/signal",
+                    json={"signal": "SIGTERM"}).status_code == 204
+    last = read_events(api, sandbox, cid)[-1]
+    assert last["event"] == "exit" and last["data"]["signal"] == 15
+    listed = api.get(f"/v1/sandboxes/{sandbox}/commands").json()["commands"]
+    assert any(c["id"] == cid and c["state"] == "exited" for c in listed)
+
+
+def test_pty(api: httpx.Client, sandbox: str) -> None:
+    code, out, _ = run(api, sandbox, {"shell": "test -t 1 && stty size", "pty": {"rows": 33, "cols": 101}})
+    assert code == 0 and out.strip() == b"33 101"
+
+
+def test_errors_are_json_with_codes(api: httpx.Client, server: Server, sandbox: str) -> None:
+    def err(r: httpx.Response, status: int, code: str) -> dict[str, object]:
+        assert r.status_code == status, r.text
+        body = r.json()["error"]
+        assert body["code"] == code and body["message"]
+        return dict(body)
+
+    err(api.post("/v1/sandboxes", json={"template": "no-such-template"}), 404, "not_found")
+    err(api.get("/v1/sandboxes/snosuchsandbox000000"), 404, "not_found")
+    err(api.post("/v1/sandboxes", json={"template": "base", "cpu": "lots"}), 422, "validation_failed")
+    err(api.post("/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}),
+        422, "validation_failed")
+    err(api.post(f"/v1/sandboxes/{sandbox}/commands", json={}), 400, "invalid_request")
+    with httpx.Client(base_url=server.url) as anon:
+        err(anon.get("/v1/sandboxes"), 401, "unauthorized")
+        err(anon.get("/v1/sandboxes", headers={"authorization": "Bearer sk_wrong"}), 401, "unauthorized")
+
+
+def test_exec_on_a_sandbox_that_is_not_running_is_409(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    d = api.delete(f"/v1/sandboxes/{sid}").json()
+    wait_operation(api, d["operation"]["id"])
+    r = api.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": ["true"]})
+    assert r.status_code == 409
+    body = r.json()["error"]
+    assert body["code"] == "invalid_state" and body["state"] == "terminated"
+    assert "terminated" in body["message"] and body["allowed"] == []
+
+
+def test_tenants_cannot_see_each_other(api: httpx.Client, server: Server, sandbox: str) -> None:
+    key = api.post("/v1/apikeys", json={"tenant": "acme", "role": "member"}).json()["key"]
+    with server.client(key) as acme:
+        assert acme.get(f"/v1/sandboxes/{sandbox}").status_code == 404
+        assert acme.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["true"]}).status_code == 404
+        assert acme.get(f"/v1/sandboxes/{sandbox}/files", params={"path": "/etc/hostname"}).status_code == 404
+        assert acme.delete(f"/v1/sandboxes/{sandbox}").status_code == 404
+        assert sandbox not in [s["id"] for s in acme.get("/v1/sandboxes").json()["sandboxes"]]
+        assert acme.post("/v1/apikeys", json={"tenant": "x"}).status_code == 403
+        own = create_sandbox(acme)
+        assert api.get(f"/v1/sandboxes/{own}").status_code == 404
+        acme.delete(f"/v1/sandboxes/{own}")
+
+
+def test_metrics_and_health(server: Server) -> None:
+    assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "space_http_requests_total" in text
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "/v1/sandboxes" in spec["paths"]

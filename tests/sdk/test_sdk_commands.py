@@ -1,0 +1,144 @@
+"""Commands through the SDK: request shapes, output events, stdin/signal/resize, and SSE resume.
+
+Aspects: a string runs in a shell and a list as argv; options reach the body; results carry
+exit code, both streams and the signal; a stream dropped mid-event is resumed with Last-Event-ID
+and yields every event exactly once (async and sync); retries are bounded; the SSE decoder.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import space.sdk._async._http as async_http
+import space.sdk._sync._http as sync_http
+from space import AsyncClient, Client, errors
+from space.sdk import AsyncSandbox
+from space.sdk._sse import ServerSentEvent, SSEDecoder
+from tests.sdk.fake_api import API_KEY, URL, FakeAPI
+
+
+@pytest.fixture
+async def sandbox(aclient: AsyncClient) -> AsyncSandbox:
+    return await aclient.sandboxes.create()
+
+
+async def test_string_is_a_shell_list_is_argv_and_options_reach_the_body(
+    fake: FakeAPI, sandbox: AsyncSandbox
+) -> None:
+    await sandbox.exec("echo hi | wc -c")
+    await sandbox.exec(["echo", "a b"], env={"K": "V"}, cwd="/tmp", user="root", pty=(40, 120), timeout=5)
+    first, second = (s.json() for s in fake.seen("POST", "/commands"))
+    assert first == {"shell": "echo hi | wc -c"}
+    assert second == {"cmd": ["echo", "a b"], "env": {"K": "V"}, "cwd": "/tmp", "user": "root",
+                      "pty": {"rows": 40, "cols": 120}, "timeout": 5}
+
+
+async def test_exec_returns_exit_code_and_both_streams(sandbox: AsyncSandbox) -> None:
+    out: list[bytes] = []
+    err: list[bytes] = []
+    result = await sandbox.exec(["emit", "out", "err", "7"], on_stdout=out.append, on_stderr=err.append)
+    assert (result.exit_code, result.stdout, result.stderr, result.signal) == (7, b"out", b"err", None)
+    assert out == [b"out"] and err == [b"err"]
+    assert not result.ok and result.stderr_text == "err"
+
+
+async def test_a_killed_command_reports_its_signal(sandbox: AsyncSandbox) -> None:
+    result = await sandbox.exec(["killed", "9"])
+    assert result.signal == 9 and not result.ok
+
+
+async def test_start_returns_a_handle_and_stdin_reaches_the_process(
+    fake: FakeAPI, sandbox: AsyncSandbox
+) -> None:
+    command = await sandbox.start(["cat"], stdin=True)
+    assert command.pid is not None and command.attach_token == f"tok-{command.id}"
+    await command.send_stdin(b"hello ")
+    await command.send_stdin(b"world", eof=True)
+    stdin_posts = fake.seen("POST", "/stdin")
+    assert [s.body for s in stdin_posts] == [b"hello ", b"world"]
+    assert [s.params.get("eof") for s in stdin_posts] == [None, "true"]
+    assert (await command.wait()).stdout == b"hello world"
+    assert (await sandbox.exec(["cat"], stdin=b"piped")).stdout == b"piped"
+    assert next(c["id"] for c in await sandbox.list_commands()) == command.id
+    assert (await sandbox.get_command(command.id)).info["state"] == "exited"
+
+
+async def test_signal_and_resize_requests(fake: FakeAPI, sandbox: AsyncSandbox) -> None:
+    command = await sandbox.start(["cat"], stdin=True, pty=True)
+    await command.resize(50, 132)
+    await command.signal("SIGTERM")
+    await command.signal(9)
+    assert [s.json() for s in fake.seen("POST", "/resize")] == [{"rows": 50, "cols": 132}]
+    assert [s.json() for s in fake.seen("POST", "/signal")] == [{"signal": "SIGTERM"}, {"signal": 9}]
+    assert (await command.wait()).signal == 15
+
+
+async def test_a_dropped_stream_resumes_without_duplicates_or_holes(
+    fake: FakeAPI, sandbox: AsyncSandbox
+) -> None:
+    fake.drop_events_after = 2
+    command = await sandbox.start(["count", "5"])
+    events = [e async for e in command.events()]
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5, 6]
+    assert b"".join(e.data for e in events) == b"".join(f"line {i}\n".encode() for i in range(1, 6))
+    assert events[-1].type == "exit" and events[-1].exit_code == 0
+    streams = fake.seen("GET", "/events")
+    assert len(streams) == 2
+    assert "last-event-id" not in streams[0].headers and streams[1].headers["last-event-id"] == "2"
+
+
+def test_the_sync_client_resumes_too(fake: FakeAPI, client: Client) -> None:
+    fake.drop_events_after = 0
+    sandbox = client.sandboxes.create()
+    result = sandbox.exec(["count", "3"])
+    assert result.stdout == b"line 1\nline 2\nline 3\n"
+    assert [s.headers.get("last-event-id") for s in fake.seen("GET", "/events")] == [None, None]
+
+
+async def test_events_after_a_sequence_number(sandbox: AsyncSandbox) -> None:
+    command = await sandbox.start(["count", "3"])
+    assert [e.seq async for e in command.events(after=2)] == [3, 4]
+
+
+def _stream_that_always_ends_early(calls: list[httpx.Request]) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if request.url.path.endswith("/events"):
+            return httpx.Response(200, text="event: stdout\n")  # half an event, then EOF
+        return httpx.Response(201, json={"id": "cmd-1", "pid": 1})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_reconnects_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(async_http, "RECONNECT_DELAYS", (0.0, 0.0, 0.0))
+    calls: list[httpx.Request] = []
+    async with AsyncClient(URL, API_KEY, transport=_stream_that_always_ends_early(calls)) as c:
+        sandbox = AsyncSandbox(c._http, c.operations, {"id": "sb-1", "state": "running"})
+        command = await sandbox.start("true")
+        with pytest.raises(errors.Unavailable, match="ended before its exit event"):
+            await command.wait()
+    assert len([r for r in calls if r.url.path.endswith("/events")]) == 4
+
+
+def test_non_retryable_stream_errors_are_raised_at_once(
+    monkeypatch: pytest.MonkeyPatch, client: Client
+) -> None:
+    monkeypatch.setattr(sync_http, "RECONNECT_DELAYS", (0.0,) * 5)
+    sandbox = client.sandboxes.create()
+    command = sandbox.start(["echo"])
+    command.info["id"] = "cmd-gone"
+    command._path = command._path.rsplit("/", 1)[0] + "/cmd-gone"
+    with pytest.raises(errors.NotFound):
+        command.wait()
+
+
+def test_sse_decoder() -> None:
+    decoder = SSEDecoder()
+    lines = [": keep-alive", "id: 7", "event: stdout", "data: {\"a\":", "data: 1}", "", "",
+             "event: exit", "data: {\"seq\": 8}", ""]
+    events = [e for e in (decoder.feed(line) for line in lines) if e is not None]
+    assert events == [ServerSentEvent("stdout", '{"a":\n1}', "7"), ServerSentEvent("exit", '{"seq": 8}')]
+    assert [e.seq for e in events] == [7, 8]
+    assert decoder.feed("data: half") is None  # never dispatched without its blank line
