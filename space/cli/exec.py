@@ -63,7 +63,7 @@ def exec_command(
         elif stdin:
             pump = _start(_pump, command, sys.stdin.buffer)
             code = follow(command)
-            pump.join(timeout=1.0)  # it is done unless the command exited before our stdin ended
+            pump.join(timeout=0.25)  # it is done unless the command exited before our stdin ended
         else:
             code = follow(command)
     raise typer.Exit(code)

@@ -70,7 +70,7 @@ def ls(
         return
     output.table(
         ["type", "size", "mode", "mtime", "name"],
-        [(e.get("type"), e.get("size"), output.fmt_mode(e.get("mode")), output.fmt_time(e.get("mtime")),
+        [(e.get("type"), e.get("size"), output.fmt_mode(e.get("mode"), e.get("type")), output.fmt_time(e.get("mtime")),
           _display_name(e, path)) for e in entries],
     )
 
@@ -83,7 +83,7 @@ def stat(ctx: typer.Context, sandbox_id: SandboxId, path: Remote, as_json: JsonF
     if as_json:
         output.print_json(entry)
     else:
-        output.fields({**entry, "mode": output.fmt_mode(entry.get("mode")),
+        output.fields({**entry, "mode": output.fmt_mode(entry.get("mode"), entry.get("type")),
                        "mtime": output.fmt_time(entry.get("mtime"))})
 
 

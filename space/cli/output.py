@@ -80,8 +80,16 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def fmt_mode(mode: Any) -> str:
-    return stat.filemode(mode) if isinstance(mode, int) else fmt(mode)
+_TYPE_BITS = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}
+
+
+def fmt_mode(mode: Any, kind: str | None = None) -> str:
+    """``drwxr-xr-x``: the API sends permission bits and the type separately."""
+    if not isinstance(mode, int):
+        return fmt(mode)
+    if not stat.S_IFMT(mode) and kind in _TYPE_BITS:
+        mode |= _TYPE_BITS[kind]
+    return stat.filemode(mode)
 
 
 def fmt_time(value: Any) -> str:

@@ -17,9 +17,9 @@ from typing import Any
 import structlog
 
 from space import ids
+from space.controller.nodes import NodeRegistry
 from space.errors import Conflict, InvalidState, NotFound, SpaceError, Unavailable
 from space.lifecycle import State
-from space.controller.nodes import NodeRegistry
 from space.store import Operation, Store
 
 log = structlog.get_logger("space.controller")

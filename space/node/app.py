@@ -236,7 +236,7 @@ def create_node_app(
                 async for header, payload in events:
                     yield guest_event_to_sse(header, payload)
             finally:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
 
         return StreamingResponse(body_iter(), media_type="text/event-stream",
                                  headers={"cache-control": "no-store"})
@@ -287,7 +287,7 @@ def create_node_app(
                 async for _, payload in it:
                     yield payload
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
         return StreamingResponse(body_iter(), media_type="application/octet-stream")
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from space import errors
@@ -191,7 +191,7 @@ class GuestConnection:
     # -- lifecycle ----------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, socket_path: str, *, timeout: float = 10.0) -> GuestConnection:  # noqa: ASYNC109
+    async def connect(cls, socket_path: str, *, timeout: float = 10.0) -> GuestConnection:
         """Connect (retrying until the shim listens) and wait for the guest to answer ``hello``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -305,7 +305,7 @@ class GuestConnection:
     # -- requests -----------------------------------------------------------------------------
 
     async def request(self, op: str, payload: bytes = b"", *,
-                      timeout: float | None = 30.0, **args: Any) -> Header:  # noqa: ASYNC109
+                      timeout: float | None = 30.0, **args: Any) -> Header:
         """One request, one answer. Raises the :mod:`space.errors` class the guest's code names,
         :class:`~space.errors.Timeout` past ``timeout``, :class:`~space.errors.Unavailable` if the
         channel closes."""
@@ -380,7 +380,7 @@ class GuestConnection:
             cmd.acked = target
             self._writer.write(protocol.encode({"t": "ack", "cmd": cid, "bytes": target}))
 
-    async def events(self, cmd: str, after: int = 0) -> AsyncIterator[tuple[Header, bytes]]:
+    async def events(self, cmd: str, after: int = 0) -> AsyncGenerator[tuple[Header, bytes], None]:
         """Events of ``cmd`` with ``seq > after``: ``out`` (+ payload), ``gap`` (output evicted from
         the guest's buffer before we got it; ``lost_bytes``) and finally ``exit``. Close the
         iterator (``contextlib.aclosing``) when leaving early, so it stops holding back acks."""

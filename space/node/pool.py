@@ -177,6 +177,11 @@ class Pool:
 
     @classmethod
     async def open(cls, data_dir: Path, *, size_gb: int = 64, device: Path | None = None) -> Pool:
+        """Adopt or set up the pool of ``data_dir`` (see the module docstring for the order).
+
+        ``size_gb`` only sizes a new (sparse) loop file; an existing one is never resized. A device
+        or loop file is formatted only if it holds no filesystem at all.
+        """
         data_dir = _absolute(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         async with file_lock(data_dir / "pool.lock"):

@@ -72,7 +72,7 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
 async def run(
     *argv: str,
     input: bytes | None = None,
-    timeout: float = 60,  # noqa: ASYNC109 - the seam's contract: one deadline per command
+    timeout: float = 60,
     check: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> Result:
@@ -122,7 +122,7 @@ def _failure(argv: Sequence[str], rc: int, output: bytes | str) -> RuntimeFailur
 async def stream_lines(
     *argv: str,
     on_line: LineCallback,
-    timeout: float = 3600,  # noqa: ASYNC109
+    timeout: float = 3600,
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Run ``argv`` and hand every line of its merged stdout/stderr to ``on_line``; return the exit
@@ -170,7 +170,7 @@ async def pipeline(
     *commands: Sequence[str],
     stdin: Path | None = None,
     stdout: Path | None = None,
-    timeout: float = 600,  # noqa: ASYNC109
+    timeout: float = 600,
 ) -> list[Result]:
     """Run ``commands`` connected like a shell pipeline (``btrfs send X | zstd > file``).
 

@@ -209,7 +209,7 @@ class TemplateStore:
 
                 lock = self.cache_dir / "locks" / f"{digest}.lock"
                 async with file_lock(lock, on_contended=contended):
-                    info = await self._ensure_locked(spec, digest, flight.emit, force)
+                    info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force)
                 flight.completed += 1
                 return info
         finally:
@@ -221,8 +221,10 @@ class TemplateStore:
                 self._flights.pop(digest, None)
 
     async def _ensure_locked(
-        self, spec: dict[str, Any], digest: str, emit: Progress, force: bool
+        self, spec: dict[str, Any], digest: str, emit: Progress, own: Progress | None, force: bool
     ) -> TemplateInfo:
+        """``emit`` reaches every caller waiting on this digest; ``own`` only this one (a waiter
+        that watched the build need not tell the others it found the result)."""
         name = spec["name"]
         final = self.pool.template_path(name, digest)
         manifest = _manifest_path(final)
@@ -233,7 +235,8 @@ class TemplateStore:
         else:
             info = _read_manifest(manifest)
             if info is not None:
-                await emit(f"template {label}: ready (cached, no rebuild)")
+                if own is not None:
+                    await own(f"template {label}: ready (cached, no rebuild)")
                 log.info("template.ready", template=label, source="cached")
                 return info
             if await self.pool.is_subvolume(final):

@@ -10,6 +10,13 @@ GUEST_MOUNT = "/opt/space/guest"
 GUEST_ARGV = ["/usr/bin/python3", "-I", "-S", f"{GUEST_MOUNT}/daemon.py"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
+#: Root inside the sandbox gets the usual container set: enough to switch users, chown and install
+#: packages; the gVisor kernel, not capabilities, is the isolation boundary.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
 
 
 def build_spec(spec: InstanceSpec) -> dict[str, Any]:
@@ -26,6 +33,7 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
             "cwd": "/",
             "env": [f"PATH={_PATH}", "LANG=C.UTF-8", f"SPACE_SANDBOX_ID={spec.sandbox_id}"],
             "user": {"uid": 0, "gid": 0},
+            "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": False,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
         },

@@ -25,7 +25,7 @@ def translate(url: object = "the SPACE server") -> Iterator[None]:
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
         raise errors.InvalidRequest(f"bad server URL {url}: {exc}") from exc
     except httpx.TransportError as exc:
-        raise errors.Unavailable(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+        raise errors.Unavailable(f"connection to {url} failed: {str(exc) or type(exc).__name__}") from exc
     except (httpx.HTTPError, httpx.StreamError) as exc:
         raise errors.Internal(f"HTTP failure talking to {url}: {exc}") from exc
 

@@ -10,12 +10,15 @@ traceback; usage errors exit 2; files move both ways, also through stdin/stdout.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from typer.testing import Result
 
-from tests.cli.conftest import Run
 from tests.sdk.fake_api import FakeAPI
+
+Run = Callable[..., Result]
 
 
 def test_sandbox_create_prints_only_the_id(fake: FakeAPI, space: Run) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from tests.guest.guest_harness import HostGuest
 
 from space.node.guest_client import GuestConnection
+from tests.guest.guest_harness import HostGuest
 
 
 @pytest.fixture

@@ -68,10 +68,11 @@ class _Channel:
 class HostGuest:
     """daemon.py as a plain child process of the test (not PID 1), stdio pipes held by the shim."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="guestd-"))
         self.chan = _Channel(self.workdir)
         self.daemon: subprocess.Popen[bytes] | None = None
+        self.env = {**os.environ, **(env or {})}
 
     @property
     def socket(self) -> str:
@@ -82,7 +83,7 @@ class HostGuest:
             with open(self.workdir / "guest.log", "ab") as log:
                 self.daemon = subprocess.Popen(
                     [sys.executable, "-I", "-S", str(DAEMON)], stdin=self.chan.to_r,
-                    stdout=self.chan.from_w, stderr=log, cwd="/")
+                    stdout=self.chan.from_w, stderr=log, cwd="/", env=self.env)
             self.chan.start_shim()
         finally:
             self.chan.close_fds()
@@ -123,7 +124,8 @@ class RunscGuest:
     def socket(self) -> str:
         return self.chan.socket
 
-    def runsc(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+    def runsc(self, *args: str, check: bool = True,
+              timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(["runsc", f"--root={self.root}", *RUNSC_FLAGS, *args], check=check,
                               capture_output=True, timeout=timeout)
 
@@ -137,7 +139,8 @@ class RunscGuest:
             "hostname": "guestd",
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
-                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+                 "options": ["nosuid", "mode=755"]},
                 {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
                  "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
                 {"destination": "/sys", "type": "sysfs", "source": "sysfs",

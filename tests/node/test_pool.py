@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from space.errors import Conflict, InvalidPath, InvalidRequest
+from space.node import privileged
 from space.node.pool import AREAS, Pool, PoolKind, _mounts
 from tests.node.poolkit import PoolFactory, loop_devices_of, run_async
 
@@ -53,7 +54,8 @@ def test_open_from_another_process_adopts_the_mount(pool_factory: PoolFactory) -
     )
     out = subprocess.run([sys.executable, "-c", code, str(pool.data_dir)],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert [line.split() for line in out if line.startswith("RESULT")] == [["RESULT", "loop", str(pool.device)]]
+    result = [line.split()[1:] for line in out if line.startswith("RESULT")]
+    assert result == [["loop", str(pool.device)]]
     assert loop_devices_of(pool.data_dir / "pool.img") == [str(pool.device)]
     assert mount_count(pool.root) == 1
 
@@ -213,3 +215,17 @@ async def test_layout_and_usage(btrfs_pool: Pool) -> None:
     assert 3 * 1024**3 < usage["size_bytes"] <= 4 * 1024**3
     assert 0 < usage["used_bytes"] < usage["size_bytes"]
     assert 0 < usage["free_bytes"] < usage["size_bytes"]
+
+
+async def test_delete_clears_mounts_left_beneath(btrfs_pool: Pool) -> None:
+    sub = btrfs_pool.tmp_dir / "with-mounts"
+    await btrfs_pool.create_subvolume(sub)
+    (sub / "proc").mkdir()
+    # What a killed debootstrap leaves: its target's /proc still mounted (here twice, stacked).
+    for _ in range(2):
+        await privileged.run("mount", "-t", "tmpfs", "tmpfs", str(sub / "proc"))
+
+    await btrfs_pool.delete_subvolume(sub)
+
+    assert not sub.exists()
+    assert mount_count(sub / "proc") == 0

@@ -41,9 +41,9 @@ async def test_create_sends_the_contract_and_waits_by_long_poll(fake: FakeAPI, a
                            "metadata": {"owner": "me"}}
     assert post.headers["idempotency-key"] == "k1"
     assert post.headers["authorization"] == f"Bearer {API_KEY}"
-    polls = fake.seen("GET", f"/v1/operations/{sandbox.operation.id}") if sandbox.operation else []
-    assert len(polls) == 3 and all(int(p.params["wait"]) > 0 for p in polls)
     assert sandbox.operation is not None and sandbox.operation.status == "succeeded"
+    polls = fake.seen("GET", f"/v1/operations/{sandbox.operation.id}")
+    assert len(polls) == 3 and all(int(p.params["wait"]) > 0 for p in polls)
 
 
 async def test_create_without_wait_returns_at_once(fake: FakeAPI, aclient: AsyncClient) -> None:

@@ -61,7 +61,7 @@ class AsyncHTTP:
         json: Any = None,
         content: Any = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,  # noqa: ASYNC109 - per-request httpx phases
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         with translate(self.url):
             resp = await self._client.request(
@@ -95,7 +95,7 @@ class AsyncHTTP:
         *,
         params: Mapping[str, str | int] | None = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,  # noqa: ASYNC109 - per-request httpx phases
+        timeout: httpx.Timeout | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """A response whose body is read by the caller; failures while reading are translated too."""
         with translate(self.url):

@@ -49,7 +49,7 @@ class AsyncSandbox:
         return self
 
     async def delete(
-        self, *, wait: bool = True, timeout: float | None = 120.0  # noqa: ASYNC109
+        self, *, wait: bool = True, timeout: float | None = 120.0
     ) -> Operation:
         reply = await self._http.json("DELETE", self._path)
         self.info = reply.get("sandbox", self.info)
@@ -69,7 +69,7 @@ class AsyncSandbox:
         user: str | None = None,
         pty: tuple[int, int] | bool | None = None,
         stdin: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109 - the server kills the command after it
+        timeout: float | None = None,
     ) -> AsyncCommand:
         """Start ``cmd`` (a string runs in a shell, a list as argv) and return at once with its handle."""
         body = command_request(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=stdin, timeout=timeout)
@@ -85,7 +85,7 @@ class AsyncSandbox:
         user: str | None = None,
         pty: tuple[int, int] | bool | None = None,
         stdin: bool | bytes = False,
-        timeout: float | None = None,  # noqa: ASYNC109 - the server kills the command after it
+        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult:
@@ -121,7 +121,7 @@ class AsyncSandboxes:
         metadata: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
-        timeout: float | None = 120.0,  # noqa: ASYNC109 - bounds the wait for the operation
+        timeout: float | None = 120.0,
     ) -> AsyncSandbox:
         """Create a sandbox; with ``wait`` return once it runs, raising its creation error if it failed.
 
@@ -164,7 +164,7 @@ class AsyncSandboxes:
         return [AsyncSandbox(self._http, self._operations, info) for info in body.get("sandboxes", [])]
 
     async def delete(
-        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = 120.0  # noqa: ASYNC109
+        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = 120.0
     ) -> Operation:
         """Delete a sandbox; with ``wait`` return once it is gone, raising the error if that failed."""
         reply = await self._http.json("DELETE", f"/v1/sandboxes/{quote(sandbox_id, safe='')}")

@@ -1,0 +1,97 @@
+"""Guest channel numbers: daemon boot, request round trip, bulk stdout throughput.
+
+    .venv/bin/python bench/guest_bench.py [--no-runsc]
+
+Runs the guest daemon behind the real shim with the real asyncio client, on the host (a child
+process) and, when root with runsc and btrfs, as PID 1 of a gVisor sandbox. Prints medians; no asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from space.node.guest_client import GuestConnection  # noqa: E402
+from tests.guest.guest_harness import HostGuest, RunscGuest, runtime_skip_reason  # noqa: E402
+
+BULK = 200 * 1024 * 1024
+
+
+async def rtt_us(conn: GuestConnection, n: int = 200) -> float:
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await conn.request("hello")
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+async def throughput_mbs(conn: GuestConnection) -> float:
+    t = time.perf_counter()
+    await conn.request("exec", cmd="bulk", argv=["head", "-c", str(BULK), "/dev/zero"])
+    got = 0
+    async for _, payload in conn.events("bulk"):
+        got += len(payload)
+    elapsed = time.perf_counter() - t
+    assert got == BULK, got
+    return BULK / elapsed / 1e6
+
+
+async def channel(kind: str, guest: HostGuest | RunscGuest) -> None:
+    conn = await GuestConnection.connect(guest.socket, timeout=30)
+    try:
+        rtt = await rtt_us(conn)
+        mbs = await throughput_mbs(conn)
+        print(f"{kind:6s} boot_ms={conn.hello['boot_ms']:.1f}  hello RTT median={rtt:.0f} us  "
+              f"stdout throughput={mbs:.0f} MB/s")
+    finally:
+        await conn.close()
+
+
+async def boots(n: int = 5) -> None:
+    boot, ready = [], []
+    for _ in range(n):
+        g = RunscGuest()
+        try:
+            t = time.perf_counter()
+            g.start()
+            conn = await GuestConnection.connect(g.socket, timeout=30)
+            ready.append((time.perf_counter() - t) * 1000)
+            boot.append(conn.hello["boot_ms"])
+            await conn.close()
+        finally:
+            g.stop()
+    print(f"runsc  guest boot_ms median of {n}: {statistics.median(boot):.1f} "
+          f"(all: {', '.join(f'{b:.0f}' for b in boot)}); "
+          f"runsc run -> hello answered: {statistics.median(ready):.0f} ms")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-runsc", action="store_true")
+    args = ap.parse_args()
+    g = HostGuest().start()
+    try:
+        await channel("host", g)
+    finally:
+        g.stop()
+    reason = runtime_skip_reason()
+    if args.no_runsc or reason:
+        print(f"runsc: skipped ({reason or '--no-runsc'})")
+        return
+    await boots()
+    r = RunscGuest().start()
+    try:
+        await channel("runsc", r)
+    finally:
+        r.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
