@@ -14,20 +14,21 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from space.node.guest_client import GuestConnection  # noqa: E402
-from tests.guest.guest_harness import HostGuest, RunscGuest, runtime_skip_reason  # noqa: E402
+from space.node.guest_client import GuestConnection
+from tests.guest.guest_harness import HostGuest, RunscGuest, runtime_skip_reason
 
 BULK = 200 * 1024 * 1024
 
 
-async def rtt_us(conn: GuestConnection, n: int = 200) -> float:
+async def rtt_us(conn: GuestConnection, op: str = "hello", n: int = 200, **args: Any) -> float:
     samples = []
     for _ in range(n):
         t = time.perf_counter()
-        await conn.request("hello")
+        await conn.request(op, **args)
         samples.append(time.perf_counter() - t)
     return statistics.median(samples) * 1e6
 
@@ -47,9 +48,10 @@ async def channel(kind: str, guest: HostGuest | RunscGuest) -> None:
     conn = await GuestConnection.connect(guest.socket, timeout=30)
     try:
         rtt = await rtt_us(conn)
+        stat = await rtt_us(conn, "fs.stat", path="/")
         mbs = await throughput_mbs(conn)
         print(f"{kind:6s} boot_ms={conn.hello['boot_ms']:.1f}  hello RTT median={rtt:.0f} us  "
-              f"stdout throughput={mbs:.0f} MB/s")
+              f"(fs.stat, on the worker pool: {stat:.0f} us)  head -c 200M stdout throughput={mbs:.0f} MB/s")
     finally:
         await conn.close()
 

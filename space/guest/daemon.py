@@ -5,10 +5,26 @@ Runs on the template's own python3 (standard library only) as
 It runs processes (pipes or a PTY, with a bounded replay buffer per command and ack-based flow
 control), serves files, reaps every child (it is PID 1) and reports activity.
 
-Threads: the main thread reads stdin frames and never writes (so it can always take acks and upload
-data); requests run on a small worker pool; one pump thread reads every process's output through
-epoll; one reaper thread waits for every child; a stdin thread per command feeds its input in order.
+Threads: the main thread reads stdin frames and answers the cheap requests itself (a thread handoff
+costs more than the work, and much more under gVisor); anything that may block on something else than
+the channel (exec, files, replays) runs on a small worker pool; one pump thread reads every process's
+output through epoll; one reaper thread waits for every child; a stdin thread per command feeds its
+input in order. The main thread blocks on stdout only while the host is not reading the channel, so
+the host side must never stop reading guest output because a write to the guest is pending (the
+shim buffers its writes to us for that reason).
 Only fd numbers 0 and 1 are remembered about the channel, so checkpoint/restore may swap the pipes.
+Off PID 1 (host tests) the end of stdin ends the daemon and its commands; PID 1 waits for a new channel.
+
+Wire details beyond the brief (see also protocol.py's conventions):
+- ``out`` events carry ``off`` (stream offset); acks are absolute offsets, so stale ones are harmless.
+- ``exit`` has ``exit_code`` (128+N when killed by signal N), ``signal`` and ``timed_out``.
+- ``exec`` takes its kill timeout as ``timeout`` or ``kill_after`` (GuestConnection.request's own
+  ``timeout`` keyword is the answer deadline). Send ``stdin`` only after ``exec`` answered; input of
+  one command is written in arrival order. ``eof`` on a PTY sends VEOF (^D).
+- ``replay`` takes ``after_off`` (the offset after event ``after``) so a ``gap`` can say exactly how
+  many bytes were lost; without it the count covers everything evicted when ``after`` is unknown.
+- ``list`` entries add ``out_bytes``, ``unacked`` and ``buffered_bytes``.
+- Exited commands' buffers share EXITED_BUFFERS; the oldest are trimmed (a replay then shows a gap).
 """
 
 from __future__ import annotations
@@ -37,8 +53,14 @@ STALL_TIMEOUT = float(os.environ.get("SPACE_GUEST_STALL_TIMEOUT", "30"))
 DEFAULT_BUFFER = 4 << 20
 MAX_BUFFER = 64 << 20
 MAX_EXITED = 256
+#: Replay buffers of exited commands share this budget; past it the oldest are trimmed to their exit.
+EXITED_BUFFERS = 64 << 20
 #: Bookkeeping cost charged per buffered event, so a flood of tiny events stays bounded too.
 EVENT_OVERHEAD = 64
+#: A stream that produced output within BUSY seconds waits up to LINGER seconds to fill a frame:
+#: per-frame costs dominate bulk throughput, while a lone keystroke echo still goes out at once.
+BUSY = 0.005
+LINGER = 0.002
 UPLOAD_IDLE = 120.0
 MAX_LIST_ENTRIES = 100_000
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -209,6 +231,10 @@ class Command:
     def buffer(self, header: Header, payload: bytes) -> None:
         self.events.append((header, payload))
         self.buf_bytes += len(payload) + EVENT_OVERHEAD
+        self.evict()
+
+    def evict(self) -> None:
+        """Drop the oldest events over the limit, always keeping the newest (the exit, once exited)."""
         while self.buf_bytes > self.buf_limit and len(self.events) > 1:
             old, data = self.events.popleft()
             self.buf_bytes -= len(data) + EVENT_OVERHEAD
@@ -362,7 +388,10 @@ class Daemon:
                 return
             elif op == "hello":
                 self.on_hello()
-            self.pool.submit(self.handle, h, payload)
+            if op in _INLINE or op not in _OPS:
+                self.handle(h, payload)
+            else:
+                self.pool.submit(self.handle, h, payload)
         else:
             log(f"unexpected frame kind {t!r}")
 
@@ -469,6 +498,19 @@ class Daemon:
                 gone = self.commands.get(old)
                 if gone is not None and gone.finished:
                     del self.commands[old]
+            self._trim_exited()
+
+    def _trim_exited(self) -> None:
+        """Keep exited commands' buffers within EXITED_BUFFERS, trimming the oldest first."""
+        done = [self.commands[c] for c in self.exited if c in self.commands]
+        total = sum(c.buf_bytes for c in done)
+        for old in done:
+            if total <= EXITED_BUFFERS:
+                return
+            before = old.buf_bytes
+            old.buf_limit = 0
+            old.evict()
+            total -= before - old.buf_bytes
 
     # -- reaping ------------------------------------------------------------------------------
 
@@ -531,7 +573,7 @@ class Daemon:
                 start = not cmd.stdin_busy
                 cmd.stdin_busy = True
         if err is not None:
-            self.pool.submit(self.fail, rid, *err)
+            self.fail(rid, *err)
         elif start:
             threading.Thread(target=self._feed_stdin, args=(cmd,), name="stdin", daemon=True).start()
 
@@ -602,6 +644,20 @@ class Pump(threading.Thread):
         self.incoming: list[Command] = []
         self.paused: set[Command] = set()
         self.timed: set[Command] = set()
+        self.partial: dict[int, bytes] = {}  # fd -> output read but not sent yet (lingering)
+        self.flush_at: dict[int, float] = {}  # lingering fds (out of epoll until then)
+        self.last_emit: dict[int, float] = {}
+        self.registered: set[int] = set()
+
+    def _register(self, fd: int) -> None:
+        if fd not in self.registered and fd in self.fds:
+            self.ep.register(fd, self._in)
+            self.registered.add(fd)
+
+    def _unregister(self, fd: int) -> None:
+        if fd in self.registered:
+            self.registered.discard(fd)
+            self.ep.unregister(fd)
 
     def add(self, cmd: Command) -> None:
         with self.d.lock:
@@ -629,6 +685,10 @@ class Pump(threading.Thread):
                         pass
                 elif fd in self.fds:
                     self._read(fd)
+            if self.flush_at:
+                now = time.monotonic()
+                for fd in [f for f, t in self.flush_at.items() if t <= now]:
+                    self._read(fd, lingered=True)
             self._maintain()
 
     def _timeout(self) -> float:
@@ -640,26 +700,56 @@ class Pump(threading.Thread):
                     t = min(t, cmd.deadline - now)
             for cmd in self.paused:
                 t = min(t, cmd.stall_since + STALL_TIMEOUT - now)
+        for at in self.flush_at.values():
+            t = min(t, at - now)
         return max(t, 0.0)
 
-    def _read(self, fd: int) -> None:
-        cmd, which = self.fds[fd]
+    def _read(self, fd: int, lingered: bool = False) -> None:
+        """Read what the stream has. A busy stream's short read is held back for LINGER seconds,
+        out of epoll (no wakeup per small write), then topped up and sent as one frame."""
+        cmd, _ = self.fds[fd]
+        held = self.partial.get(fd, b"")
         try:
-            data = os.read(fd, protocol.MAX_PAYLOAD)
+            data = os.read(fd, protocol.MAX_PAYLOAD - len(held))
         except BlockingIOError:
-            return
+            data = None
         except OSError:  # EIO on a pty master: every slave end is closed
             data = b""
-        if not data:
+        if data == b"":
+            self._emit(fd)
             self._unregister(fd)
             del self.fds[fd]
+            self.last_emit.pop(fd, None)
             with self.d.lock:
                 cmd.open_streams.pop(fd, None)
                 if fd != cmd.master:
                     _close(fd)
             self.d.maybe_finish(cmd)
             return
+        if data:
+            held += data
+            self.partial[fd] = held
+        now = time.monotonic()
+        if lingered or len(held) >= protocol.MAX_PAYLOAD:
+            self._emit(fd)
+        elif held and fd not in self.flush_at:
+            if now - self.last_emit.get(fd, 0.0) < BUSY:
+                self.flush_at[fd] = now + LINGER
+                self._unregister(fd)
+                return
+            self._emit(fd)
+        if lingered and not cmd.paused:
+            self._register(fd)
+
+    def _emit(self, fd: int) -> None:
+        cmd, which = self.fds[fd]
+        if self.flush_at.pop(fd, None) is not None and not cmd.paused:
+            self._register(fd)
+        data = self.partial.pop(fd, b"")
+        if not data:
+            return
         self.d.emit(cmd, "out", {"fd": which}, data)
+        self.last_emit[fd] = time.monotonic()
         with self.d.lock:
             stop = not cmd.free and cmd.sent - cmd.acked >= WINDOW
             if stop:
@@ -669,12 +759,6 @@ class Pump(threading.Thread):
         if stop:
             for f in cmd.open_streams:
                 self._unregister(f)
-
-    def _unregister(self, fd: int) -> None:
-        try:  # noqa: SIM105 -- contextlib costs boot time
-            self.ep.unregister(fd)
-        except OSError:
-            pass
 
     def _maintain(self) -> None:
         import signal
@@ -686,7 +770,7 @@ class Pump(threading.Thread):
             for cmd in self.incoming:
                 for fd, which in cmd.open_streams.items():
                     self.fds[fd] = (cmd, which)
-                    self.ep.register(fd, self._in)
+                    self._register(fd)
                 if cmd.deadline is not None:
                     self.timed.add(cmd)
             self.incoming.clear()
@@ -710,7 +794,8 @@ class Pump(threading.Thread):
                     kill.append(cmd)
             for cmd in resume:
                 for fd in cmd.open_streams:
-                    self.ep.register(fd, self._in)
+                    if fd not in self.flush_at:
+                        self._register(fd)
         for cmd in kill:
             try:  # noqa: SIM105 -- contextlib costs boot time
                 os.killpg(cmd.pid, signal.SIGKILL)
@@ -743,8 +828,24 @@ def _close(fd: int) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        n = os.write(fd, view[: protocol.MAX_WRITE])
+        try:
+            n = os.write(fd, view[: protocol.MAX_WRITE])
+        except BlockingIOError:  # a pty master is non-blocking (the pump reads it)
+            import select
+
+            select.select([], [fd], [])
+            continue
         view = view[n:]
+
+
+def _grow_pipe(fd: int) -> None:
+    """A roomier pipe lets a producer run ahead while its output lingers (fewer, fuller frames)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, 1031, 256 * 1024)  # F_SETPIPE_SZ
+    except OSError:
+        pass
 
 
 def _arg(h: Header, key: str, kind: type | tuple[type, ...], default: Any = None,
@@ -946,6 +1047,7 @@ def op_exec(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
             _set_winsize(master, pty)
             kw.update(stdin=slave, stdout=slave, stderr=slave, preexec_fn=_set_ctty)
             streams = {master: 1}
+            os.set_blocking(master, False)
         else:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
@@ -953,6 +1055,9 @@ def op_exec(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
             child_fds += [out_w, err_w]
             kw.update(stdout=out_w, stderr=err_w)
             streams = {out_r: 1, err_r: 2}
+            for r, w in ((out_r, out_w), (err_r, err_w)):
+                os.set_blocking(r, False)
+                _grow_pipe(w)
             if want_stdin:
                 in_r, in_w = os.pipe()
                 parent_fds.append(in_w)
@@ -1309,6 +1414,8 @@ _OPS: dict[str, Callable[[Daemon, Any, Header, bytes], Header]] = {
     "fs.read": op_fs_read, "fs.write": op_fs_write, "fs.stat": op_fs_stat, "fs.list": op_fs_list,
     "fs.mkdir": op_fs_mkdir, "fs.move": op_fs_move, "fs.remove": op_fs_remove,
 }
+#: Answered on the reader thread: no waiting on anything but the channel itself.
+_INLINE = frozenset({"hello", "activity", "list", "signal", "resize", "forget"})
 
 
 def main() -> None:

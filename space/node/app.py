@@ -198,7 +198,8 @@ def create_node_app(
             "user": body.user if body.user is not None else sb.user,
             "pty": body.pty,
             "stdin": body.stdin,
-            "timeout": body.timeout,
+            # ``timeout`` is the request deadline of GuestConnection.request; the kill timer is this.
+            "kill_after": body.timeout,
         }
         if body.buffer_bytes:
             args["buffer_bytes"] = body.buffer_bytes

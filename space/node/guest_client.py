@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -181,7 +182,9 @@ class GuestConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
-        self._ids = itertools.count(1)
+        # Ids start at a random point: answers still in flight for a previous connection (the node
+        # agent restarted) must not be taken for answers to this one.
+        self._ids = itertools.count(int.from_bytes(os.urandom(6), "big") + 1)
         self._pending: dict[int, _Pending] = {}
         self._cmds: dict[str, _Cmd] = {}
         self._closed = asyncio.Event()
@@ -311,10 +314,8 @@ class GuestConnection:
         channel closes."""
         rid, p = self._start(op, args, payload, streaming=False)
         try:
-            if timeout is None:
+            async with asyncio.timeout(timeout):
                 header = await p.fut
-            else:
-                header = await asyncio.wait_for(p.fut, timeout)
         except TimeoutError:
             raise errors.Timeout(f"guest did not answer {op} within {timeout}s") from None
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import compileall
 import contextlib
 import ctypes
 import dataclasses
@@ -55,7 +56,11 @@ def channel_dir_for(data_dir: Path) -> Path:
 
 
 def guest_dir() -> Path:
-    return Path(guest_pkg.__file__).resolve().parent
+    """The guest daemon's directory (bind-mounted read-only into every sandbox), bytecode compiled."""
+    d = Path(guest_pkg.__file__).resolve().parent
+    # The sandbox cannot write __pycache__ (read-only mount): compile here, once per node start.
+    compileall.compile_dir(str(d), quiet=1, maxlevels=0)
+    return d
 
 
 async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager]:

@@ -7,7 +7,7 @@ from typing import Any
 from space.runtime.base import InstanceSpec
 
 GUEST_MOUNT = "/opt/space/guest"
-GUEST_ARGV = ["/usr/bin/python3", "-I", "-S", f"{GUEST_MOUNT}/daemon.py"]
+GUEST_ARGV = ["/usr/bin/python3", "-I", "-S", f"{GUEST_MOUNT}/boot.py"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
 #: Root inside the sandbox gets the usual container set: enough to switch users, chown and install

@@ -8,10 +8,12 @@ one. It forwards whole frames only (:mod:`space.guest.protocol` length prefixes)
 never splits a frame: a client's partial last frame is discarded, and guest frames that arrive while
 nobody is connected are dropped (the guest keeps a replay buffer; a new client says ``hello``).
 
-One thread, one selector. Writes to the guest block (it reads promptly); reads from the guest stop
-while the client's outgoing buffer is full, so a slow client backs up into the guest instead of
-into this process's memory. Exits, removing its socket and pidfile, when the guest's stdout ends.
-Standard library only, and little of it: one runs per sandbox.
+One thread, one selector, no blocking I/O: reading the guest never waits for a write to the guest
+(the guest may answer a request while we still have frames for it; blocking here could deadlock).
+Reads from the guest stop while the client's outgoing buffer is full, and reads from the client stop
+while the guest's is, so a slow side backs up into its peer instead of into this process's memory.
+Exits, removing its socket and pidfile, when the guest's stdout ends. Standard library only, and
+little of it: one runs per sandbox.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from typing import Any
 from space.guest import protocol
 
 CLIENT_BUFFER = 8 << 20
+#: Frames for the guest waiting for room in its stdin pipe; past this, stop reading the client.
+GUEST_BUFFER = 1 << 20
 READ_SIZE = 256 * 1024
+PIPE_SIZE = 1 << 20
 
 
 def _log(msg: str) -> None:
@@ -35,6 +40,16 @@ def _log(msg: str) -> None:
         os.write(2, f"space-shim[{os.getpid()}]: {msg}\n".encode(errors="replace"))
     except OSError:
         pass
+
+
+def _grow_pipe(fd: int) -> None:
+    """Roomier pipes: the guest writes (and reads) more per wakeup, which is what costs under gVisor."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, 1031, PIPE_SIZE)  # F_SETPIPE_SZ
+    except OSError as exc:
+        _log(f"cannot grow pipe {fd}: {exc}")
 
 
 def complete_frames(buf: bytearray) -> int:
@@ -59,17 +74,21 @@ class Shim:
         self.path = socket_path
         self.to_guest = to_guest
         self.from_guest = from_guest
-        os.set_blocking(to_guest, True)
+        os.set_blocking(to_guest, False)
         os.set_blocking(from_guest, False)
+        for fd in (to_guest, from_guest):
+            _grow_pipe(fd)
         self.sel = selectors.DefaultSelector()
         self.listener = self._listen(socket_path)
         self.client: socket.socket | None = None
-        self.cin = bytearray()  # client -> guest, partial frame
-        self.cout = bytearray()  # guest -> client, whole frames
-        self.gin = bytearray()  # guest -> us, partial frame
-        self.reading_guest = True
-        self.sel.register(self.listener, selectors.EVENT_READ, "accept")
-        self.sel.register(from_guest, selectors.EVENT_READ, "guest")
+        self.cin = bytearray()  # client -> us, up to a partial frame
+        self.gout = bytearray()  # -> guest, whole frames (a client's partial frame never gets here)
+        self.gin = bytearray()  # guest -> us, up to a partial frame
+        self.cout = bytearray()  # -> client, whole frames
+        self.guest_broken = False
+        self._interest: dict[Any, int] = {}
+        self._want(self.listener, selectors.EVENT_READ)
+        self._update()
 
     @staticmethod
     def _listen(path: str) -> socket.socket:
@@ -86,20 +105,45 @@ class Shim:
         sock.setblocking(False)
         return sock
 
+    def _want(self, obj: Any, events: int) -> None:
+        have = self._interest.get(obj, 0)
+        if events == have:
+            return
+        if not events:
+            self.sel.unregister(obj)
+            del self._interest[obj]
+        elif not have:
+            self.sel.register(obj, events)
+            self._interest[obj] = events
+        else:
+            self.sel.modify(obj, events)
+            self._interest[obj] = events
+
+    def _update(self) -> None:
+        """Interest follows the buffers: backpressure instead of growing memory, both ways."""
+        r, w = selectors.EVENT_READ, selectors.EVENT_WRITE
+        self._want(self.from_guest, r if len(self.cout) < CLIENT_BUFFER else 0)
+        self._want(self.to_guest, w if self.gout and not self.guest_broken else 0)
+        if self.client is not None:
+            self._want(self.client, (r if len(self.gout) < GUEST_BUFFER else 0) | (w if self.cout else 0))
+
     def run(self) -> None:
         while True:
             for key, mask in self.sel.select():
-                what = key.data
-                if what == "accept":
+                obj = key.fileobj
+                if obj is self.listener:
                     self._accept()
-                elif what == "guest":
+                elif obj == self.from_guest:
                     if not self._from_guest():
                         return
-                elif what == "client" and self.client is not None:
+                elif obj == self.to_guest:
+                    self._to_guest()
+                elif obj is self.client:
                     if mask & selectors.EVENT_READ:
                         self._from_client()
                     if self.client is not None and mask & selectors.EVENT_WRITE:
-                        self._flush()
+                        self._to_client()
+            self._update()
 
     def _accept(self) -> None:
         try:
@@ -110,17 +154,15 @@ class Shim:
             self._drop_client("replaced by a new connection")
         conn.setblocking(False)
         self.client = conn
-        self.sel.register(conn, selectors.EVENT_READ, "client")
 
     def _drop_client(self, why: str) -> None:
         assert self.client is not None
-        self.sel.unregister(self.client)
+        self._want(self.client, 0)
         self.client.close()
         self.client = None
         self.cin.clear()
         self.cout.clear()
         _log(f"client closed: {why}")
-        self._pace_guest()
 
     def _from_guest(self) -> bool:
         try:
@@ -139,8 +181,7 @@ class Shim:
                 self.cout += self.gin[:n]
             del self.gin[:n]
             if self.client is not None:
-                self._flush()
-        self._pace_guest()
+                self._to_client()
         return True
 
     def _from_client(self) -> None:
@@ -158,46 +199,35 @@ class Shim:
         self.cin += data
         n = complete_frames(self.cin)
         if n:
-            self._write_guest(bytes(self.cin[:n]))
+            self.gout += self.cin[:n]
             del self.cin[:n]
+            self._to_guest()
 
-    def _write_guest(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
+    def _to_guest(self) -> None:
+        while self.gout and not self.guest_broken:
             try:
-                written = os.write(self.to_guest, view[: protocol.MAX_WRITE])
-            except InterruptedError:
-                continue
+                n = os.write(self.to_guest, self.gout[: protocol.MAX_WRITE])
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
                 # The guest's stdin is gone; its stdout ending will stop us.
                 _log(f"guest write failed: {exc}")
+                self.guest_broken = True
+                self.gout.clear()
                 return
-            view = view[written:]
+            del self.gout[:n]
 
-    def _flush(self) -> None:
+    def _to_client(self) -> None:
         assert self.client is not None
         while self.cout:
             try:
-                n = self.client.send(self.cout[:READ_SIZE * 4])
+                n = self.client.send(self.cout[: READ_SIZE * 4])
             except (BlockingIOError, InterruptedError):
-                break
+                return
             except OSError as exc:
                 self._drop_client(str(exc))
                 return
             del self.cout[:n]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.cout else 0)
-        self.sel.modify(self.client, events, "client")
-        self._pace_guest()
-
-    def _pace_guest(self) -> None:
-        """Read the guest only while the client's buffer has room (no client: read and drop)."""
-        want = len(self.cout) < CLIENT_BUFFER
-        if want != self.reading_guest:
-            self.reading_guest = want
-            if want:
-                self.sel.register(self.from_guest, selectors.EVENT_READ, "guest")
-            else:
-                self.sel.unregister(self.from_guest)
 
     def flush_out(self, timeout: float = 2.0) -> None:
         """Best effort: hand the client the guest's last frames (its final exit events)."""

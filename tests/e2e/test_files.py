@@ -45,7 +45,7 @@ def test_streamed_round_trip(api: httpx.Client, sandbox: str) -> None:
         for part in resp.iter_bytes():
             h.update(part)
     assert h.hexdigest() == hashlib.sha256(blob).hexdigest()
-    code, out, _ = run(api, sandbox, {"shell": "sha256sum /home/user/big.bin | cut -d' ' -f1"})
+    _, out, _ = run(api, sandbox, {"shell": "sha256sum /home/user/big.bin | cut -d' ' -f1"})
     assert out.decode().strip() == hashlib.sha256(blob).hexdigest()
 
 
@@ -53,7 +53,8 @@ def test_list_stat_mkdir_move_remove(api: httpx.Client, sandbox: str) -> None:
     base = f"/v1/sandboxes/{sandbox}/files"
     assert api.post(f"{base}/mkdir", json={"path": "/home/user/proj/src"}).status_code == 200
     api.put(base, params={"path": "/home/user/proj/src/a.txt"}, content=b"alpha")
-    names = {e["name"]: e for e in api.get(f"{base}/list", params={"path": "/home/user/proj", "depth": 2}).json()["entries"]}
+    listed = api.get(f"{base}/list", params={"path": "/home/user/proj", "depth": 2}).json()["entries"]
+    names = {e["name"]: e for e in listed}
     assert names["src"]["type"] == "dir" and names["a.txt"]["size"] == 5
     st = api.get(f"{base}/stat", params={"path": "/home/user/proj/src/a.txt"}).json()
     assert st["type"] == "file" and st["owner"] == "user"
@@ -102,5 +103,5 @@ def test_upload_limit_is_413_and_writes_nothing(api: httpx.Client, sandbox: str)
 
     r = api.put(f"/v1/sandboxes/{sandbox}/files", params={"path": "/home/user/huge2.bin"}, content=stream())
     assert r.status_code == 413
-    code, out, _ = run(api, sandbox, {"shell": "ls -a /home/user"})
+    _, out, _ = run(api, sandbox, {"shell": "ls -a /home/user"})
     assert b"huge" not in out and b".space-tmp" not in out

@@ -185,3 +185,21 @@ def test_metrics_and_health(server: Server) -> None:
     assert "space_http_requests_total" in text
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert "/v1/sandboxes" in spec["paths"]
+
+
+def test_command_timeout_is_enforced_in_the_sandbox(api: httpx.Client, sandbox: str) -> None:
+    r = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["sleep", "600"], "timeout": 0.5})
+    last = read_events(api, sandbox, r.json()["id"])[-1]
+    assert last["event"] == "exit" and last["data"]["signal"] == 9
+
+
+def test_reattach_to_a_running_command(api: httpx.Client, sandbox: str) -> None:
+    """A client that drops mid-stream and comes back sees every byte once, in order."""
+    r = api.post(f"/v1/sandboxes/{sandbox}/commands",
+                 json={"shell": "for i in $(seq 1 40); do echo line$i; sleep 0.02; done"})
+    cid = r.json()["id"]
+    first = read_events(api, sandbox, cid, limit=3)  # then "drop"
+    rest = read_events(api, sandbox, cid, headers={"Last-Event-ID": first[-1]["id"]})
+    out = b"".join(base64.b64decode(e["data"]["data"]) for e in first + rest if e["event"] == "stdout")
+    assert out == b"".join(b"line%d\n" % i for i in range(1, 41))
+    assert rest[-1]["event"] == "exit" and rest[-1]["data"]["exit_code"] == 0

@@ -60,7 +60,7 @@ async def test_aborted_upload_leaves_nothing(conn: GuestConnection, tmp_path: Pa
         await conn.upload("fs.write", failing(), path=str(target))
     # The guest drops the temporary file once it sees the abort: wait for that, with a deadline.
     async with asyncio.timeout(10):
-        while (await conn.request("fs.list", path=str(tmp_path)))["entries"]:  # noqa: ASYNC110
+        while (await conn.request("fs.list", path=str(tmp_path)))["entries"]:
             await asyncio.sleep(0.01)
     assert not target.exists()
 

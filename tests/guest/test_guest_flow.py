@@ -137,3 +137,16 @@ async def test_stream_survives_client_restart(guest: HostGuest) -> None:
     assert evs[0]["seq"] == last + 1
     check_stream(evs)
     assert got + len(out) == total
+
+
+async def test_exited_buffers_share_a_budget(conn: GuestConnection) -> None:
+    # Two exited commands hold 2 x 40 MiB > 64 MiB: the older one is trimmed to its exit event.
+    first, second = cid(), cid()
+    for c in (first, second):
+        await conn.request("exec", cmd=c, argv=["head", "-c", str(40 * MiB), "/dev/zero"],
+                           buffer_bytes=64 * MiB)
+        await wait_for(conn, c, lambda i: i["state"] == "exited")
+    evs, out, _ = await collect(conn, first)
+    assert [e["kind"] for e in evs] == ["gap", "exit"] and evs[0]["lost_bytes"] == 40 * MiB
+    evs, out, _ = await collect(conn, second)
+    assert evs[0]["kind"] == "out" and len(out) == 40 * MiB

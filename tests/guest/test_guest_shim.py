@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +28,13 @@ def gone(pid: int) -> bool:
         return True
 
 
+def cleaned_up(guest: HostGuest) -> bool:
+    return not os.path.exists(guest.socket) and not os.path.exists(guest.chan.pidfile)
+
+
 async def wait_exit(proc: subprocess.Popen[bytes], within: float = 10.0) -> int:
     async with asyncio.timeout(within):
-        while proc.poll() is None:  # noqa: ASYNC110 -- a child process has no awaitable exit here
+        while proc.poll() is None:
             await asyncio.sleep(0.01)
     assert proc.returncode is not None
     return proc.returncode
@@ -52,7 +55,7 @@ async def test_new_connection_replaces_old_mid_stream(guest: HostGuest) -> None:
         async with asyncio.timeout(10):
             await first.wait_closed()
         # Every frame the new client gets is whole: the stream decodes to its end.
-        evs, out, _ = await collect(second, c)
+        evs, _, _ = await collect(second, c)
         check_stream([e for e in evs if e["kind"] != "gap"])
         assert evs[-1]["exit_code"] == 0
     finally:
@@ -90,7 +93,7 @@ async def test_shim_exits_when_the_guest_ends(guest: HostGuest) -> None:
     assert await wait_exit(guest.chan.shim) == 0
     async with asyncio.timeout(10):
         await conn.wait_closed()
-    assert not Path(guest.socket).exists() and not guest.chan.pidfile.exists()
+    assert cleaned_up(guest)
 
 
 async def test_sigterm_stops_shim_and_host_daemon(guest: HostGuest) -> None:
@@ -100,11 +103,11 @@ async def test_sigterm_stops_shim_and_host_daemon(guest: HostGuest) -> None:
     assert guest.chan.shim is not None and guest.daemon is not None
     guest.chan.shim.send_signal(signal.SIGTERM)
     assert await wait_exit(guest.chan.shim) == 0
-    assert not Path(guest.socket).exists() and not guest.chan.pidfile.exists()
+    assert cleaned_up(guest)
     # Off PID 1, the daemon takes the end of its channel as the end: it kills its commands and exits.
     await wait_exit(guest.daemon)
     async with asyncio.timeout(10):
-        while not gone(pid):  # noqa: ASYNC110
+        while not gone(pid):
             await asyncio.sleep(0.01)
     await conn.close()
 

@@ -62,7 +62,7 @@ class SyncHTTP:
         json: Any = None,
         content: Any = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,  # noqa: ASYNC109 - per-request httpx phases
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         with translate(self.url):
             resp = self._client.request(
@@ -96,7 +96,7 @@ class SyncHTTP:
         *,
         params: Mapping[str, str | int] | None = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,  # noqa: ASYNC109 - per-request httpx phases
+        timeout: httpx.Timeout | None = None,
     ) -> Iterator[httpx.Response]:
         """A response whose body is read by the caller; failures while reading are translated too."""
         with translate(self.url):

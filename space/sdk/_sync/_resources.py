@@ -34,7 +34,7 @@ class Operations:
         body = self._http.json("GET", path, params={"wait": seconds}, timeout=timeout)
         return Operation.from_json(body)
 
-    def wait(self, op_id: str, timeout: float | None = 120.0) -> Operation:  # noqa: ASYNC109
+    def wait(self, op_id: str, timeout: float | None = 120.0) -> Operation:
         """Long-poll until the operation finished (succeeded or failed); raise Timeout past ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -50,7 +50,7 @@ class Sandbox:
         return self
 
     def delete(
-        self, *, wait: bool = True, timeout: float | None = 120.0  # noqa: ASYNC109
+        self, *, wait: bool = True, timeout: float | None = 120.0
     ) -> Operation:
         reply = self._http.json("DELETE", self._path)
         self.info = reply.get("sandbox", self.info)
@@ -70,7 +70,7 @@ class Sandbox:
         user: str | None = None,
         pty: tuple[int, int] | bool | None = None,
         stdin: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109 - the server kills the command after it
+        timeout: float | None = None,
     ) -> Command:
         """Start ``cmd`` (a string runs in a shell, a list as argv) and return at once with its handle."""
         body = command_request(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=stdin, timeout=timeout)
@@ -86,7 +86,7 @@ class Sandbox:
         user: str | None = None,
         pty: tuple[int, int] | bool | None = None,
         stdin: bool | bytes = False,
-        timeout: float | None = None,  # noqa: ASYNC109 - the server kills the command after it
+        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult:
@@ -122,7 +122,7 @@ class Sandboxes:
         metadata: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
-        timeout: float | None = 120.0,  # noqa: ASYNC109 - bounds the wait for the operation
+        timeout: float | None = 120.0,
     ) -> Sandbox:
         """Create a sandbox; with ``wait`` return once it runs, raising its creation error if it failed.
 
@@ -165,7 +165,7 @@ class Sandboxes:
         return [Sandbox(self._http, self._operations, info) for info in body.get("sandboxes", [])]
 
     def delete(
-        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = 120.0  # noqa: ASYNC109
+        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = 120.0
     ) -> Operation:
         """Delete a sandbox; with ``wait`` return once it is gone, raising the error if that failed."""
         reply = self._http.json("DELETE", f"/v1/sandboxes/{quote(sandbox_id, safe='')}")
