@@ -8,7 +8,9 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import structlog
@@ -60,7 +62,27 @@ def guest_dir() -> Path:
     d = Path(guest_pkg.__file__).resolve().parent
     # The sandbox cannot write __pycache__ (read-only mount): compile here, once per node start.
     compileall.compile_dir(str(d), quiet=1, maxlevels=0)
+    _build_spawn_helper(d)
     return d
+
+
+def _build_spawn_helper(d: Path) -> None:
+    """Build the guest's static exec wrapper (space-spawn) when missing or older than its source.
+    Without a compiler the guest falls back to setpriv (slower, same behaviour)."""
+    src, out = d / "spawn.c", d / "space-spawn"
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("guest.spawn_helper_unavailable", reason="no C compiler")
+        return
+    tmp = d / f".space-spawn.{os.getpid()}"
+    res = subprocess.run([cc, "-O2", "-static", "-o", str(tmp), str(src)], capture_output=True, text=True)
+    if res.returncode != 0:
+        log.warning("guest.spawn_helper_build_failed", stderr=res.stderr[-500:])
+        tmp.unlink(missing_ok=True)
+        return
+    os.replace(tmp, out)
 
 
 async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager]:
@@ -105,6 +127,8 @@ async def serve_node(settings: NodeSettings) -> None:
         await server.serve()
     finally:
         await manager.close()
+        if settings.socket is not None:
+            settings.socket.unlink(missing_ok=True)
 
 
 async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:
@@ -122,6 +146,8 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         n += 1
     await manager.close()
     await pool.teardown()
+    # The short-path directory of this node's sockets (node API, shims) goes with it.
+    shutil.rmtree(channel_dir_for(data_dir), ignore_errors=True)
     return n
 
 

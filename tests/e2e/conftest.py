@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node.main import channel_dir_for
 from tests.e2e.harness import Server, free_port, runtime_available
 
 
@@ -26,6 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     finally:
         srv.teardown()
         assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
 
 
 @pytest.fixture
@@ -40,3 +42,4 @@ def fresh_server(tmp_path: Path) -> Iterator[Server]:
     finally:
         srv.teardown()
         assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"

@@ -54,6 +54,7 @@ class Server:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     admin_key: str = ""
+    extra_args: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -67,7 +68,7 @@ class Server:
         log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
         self.proc = subprocess.Popen(
             [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
-             "--pool-size-gb", "16", "--max-upload-mb", "64"],
+             "--pool-size-gb", "16", "--max-upload-mb", "64", *self.extra_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
         )
         log.close()
