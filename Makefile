@@ -14,13 +14,13 @@ system:
 	@if [ "$$(id -u)" -ne 0 ]; then sudo bash scripts/setup-system.sh; else bash scripts/setup-system.sh; fi
 
 python: $(VENV)/.installed
+	@# the CLI on PATH for the README walkthrough (this checkout's)
+	@if [ -w /usr/local/bin ]; then ln -sf "$$(pwd)/$(VENV)/bin/space" /usr/local/bin/space; fi
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	@# the CLI on PATH for the README walkthrough
-	@if [ -w /usr/local/bin ]; then ln -sf "$$(pwd)/$(VENV)/bin/space" /usr/local/bin/space; fi
 	touch $@
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)

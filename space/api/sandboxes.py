@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Annotated, Any
 
@@ -113,12 +114,21 @@ async def get_operation(
     op_id: str, who: Auth, st: St, wait: Annotated[float, Query(ge=0, le=60)] = 0
 ) -> dict[str, Any]:
     op = await st.store.get_operation(op_id, tenant=who.tenant if who.role != "admin" else None)
+    if op.status in FINISHED or wait <= 0:
+        return views.operation(op)
     deadline = time.monotonic() + wait
-    delay = 0.005
-    while op.status not in FINISHED and time.monotonic() < deadline:
-        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 1.5, 0.25)
-        op = await st.store.get_operation(op_id)
+    # Woken at once when this replica's controller finishes it; polled for other replicas' work.
+    done = st.controller.watch(op_id)
+    try:
+        while op.status not in FINISHED:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=min(left, 0.2))
+            op = await st.store.get_operation(op_id)
+    finally:
+        st.controller.unwatch(op_id, done)
     return views.operation(op)
 
 

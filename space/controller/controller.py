@@ -50,6 +50,8 @@ class Controller:
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
+        #: In-process waiters of operations (long-polls in this replica); others poll the store.
+        self._waiters: dict[str, set[asyncio.Event]] = {}
         self._handlers: dict[str, Handler] = {
             "sandbox.create": self._create_sandbox,
             "sandbox.delete": self._delete_sandbox,
@@ -59,6 +61,23 @@ class Controller:
     def wake(self) -> None:
         """Tell the loop that a new operation is waiting (saves the poll interval)."""
         self._wake.set()
+
+    def watch(self, op_id: str) -> asyncio.Event:
+        """An event set when this replica finishes ``op_id`` (call :meth:`unwatch` after)."""
+        ev = asyncio.Event()
+        self._waiters.setdefault(op_id, set()).add(ev)
+        return ev
+
+    def unwatch(self, op_id: str, ev: asyncio.Event) -> None:
+        evs = self._waiters.get(op_id)
+        if evs is not None:
+            evs.discard(ev)
+            if not evs:
+                del self._waiters[op_id]
+
+    def _notify(self, op_id: str) -> None:
+        for ev in self._waiters.get(op_id, ()):
+            ev.set()
 
     # -- main loop --------------------------------------------------------------------------
 
@@ -133,6 +152,7 @@ class Controller:
         finally:
             renew.cancel()
             self._slots.release()
+            self._notify(op.id)
 
     async def _renew(self, op_id: str) -> None:
         while True:
