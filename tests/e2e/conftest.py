@@ -4,6 +4,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from space.node.main import channel_dir_for
@@ -28,6 +29,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.teardown()
         assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
         assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
+
+
+@pytest.fixture(scope="module")
+def api(server: Server) -> Iterator[httpx.Client]:
+    """An admin client of the shared server."""
+    with server.client() as c:
+        yield c
 
 
 @pytest.fixture

@@ -11,15 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import Server, create_sandbox, run
+from tests.e2e.harness import create_sandbox, run
 
 pytestmark = pytest.mark.runtime
-
-
-@pytest.fixture(scope="module")
-def api(server: Server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

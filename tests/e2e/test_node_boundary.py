@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -14,12 +13,6 @@ from space.node.main import channel_dir_for
 from tests.e2e.harness import Server, create_sandbox
 
 pytestmark = pytest.mark.runtime
-
-
-@pytest.fixture(scope="module")
-def api(server: Server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
 
 
 def _node(server: Server, token: str | None) -> httpx.Client:

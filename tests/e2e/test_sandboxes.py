@@ -22,12 +22,6 @@ pytestmark = pytest.mark.runtime
 
 
 @pytest.fixture(scope="module")
-def api(server: Server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def sandbox(api: httpx.Client) -> Iterator[str]:
     sid = create_sandbox(api, cpu=1, memory_mb=384, env={"SANDBOX_WIDE": "yes"})
     yield sid
