@@ -44,4 +44,5 @@ async def list_keys(who: Auth, st: St) -> dict[str, Any]:
 async def delete_key(key_id: str, who: Auth, st: St) -> Response:
     who.require_admin()
     await st.store.revoke_api_key(key_id)
+    st.keys.clear()
     return Response(status_code=204)

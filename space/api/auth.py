@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import hashlib
 import hmac
+import time
 
 from fastapi import Request
 
@@ -29,16 +30,53 @@ class Principal:
             raise Forbidden("this action needs an admin API key")
 
 
+class KeyCache:
+    """Recently authenticated keys, so a burst of calls costs one lookup, not one per call.
+
+    Entries live ``ttl`` seconds: a key revoked through another replica stops working within that
+    time; through this replica at once (:meth:`clear`). Keys are held by their SHA-256 only.
+    """
+
+    def __init__(self, ttl: float = 5.0, max_entries: int = 10_000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[bytes, tuple[float, Principal]] = {}
+
+    def get(self, key: str) -> Principal | None:
+        hit = self._entries.get(_digest(key))
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, key: str, who: Principal) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[_digest(key)] = (time.monotonic() + self.ttl, who)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 async def principal(request: Request) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
+    key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     state = request.app.state.space
-    row = await state.store.authenticate(key.strip())
+    who: Principal | None = state.keys.get(key)
+    if who is not None:
+        return who
+    row = await state.store.authenticate(key)
     if row is None:
         raise Unauthorized("invalid API key")
-    return Principal(key_id=row.id, tenant=row.tenant, role=row.role)
+    who = Principal(key_id=row.id, tenant=row.tenant, role=row.role)
+    state.keys.put(key, who)
+    return who
 
 
 def attach_token(secret: bytes, sandbox_id: str, command_id: str) -> str:

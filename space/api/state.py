@@ -6,6 +6,7 @@ import dataclasses
 
 from fastapi import Request
 
+from space.api.auth import KeyCache
 from space.controller import Controller, NodeRegistry
 from space.store import Store
 
@@ -18,6 +19,7 @@ class AppState:
     #: Key for attach tokens (HMAC); shared by every API replica.
     secret: bytes
     max_upload_bytes: int = 1 << 30
+    keys: KeyCache = dataclasses.field(default_factory=KeyCache)
 
 
 def app_state(request: Request) -> AppState:

@@ -197,3 +197,15 @@ def test_reattach_to_a_running_command(api: httpx.Client, sandbox: str) -> None:
     out = b"".join(base64.b64decode(e["data"]["data"]) for e in first + rest if e["event"] == "stdout")
     assert out == b"".join(b"line%d\n" % i for i in range(1, 41))
     assert rest[-1]["event"] == "exit" and rest[-1]["data"]["exit_code"] == 0
+
+
+def test_revoked_key_stops_working_at_once(api: httpx.Client, server: Server) -> None:
+    made = api.post("/v1/apikeys", json={"tenant": "revoke-me", "role": "readonly"}).json()
+    with server.client(made["key"]) as c:
+        assert c.get("/v1/sandboxes").status_code == 200
+        assert c.post("/v1/sandboxes", json={"template": "base"}).status_code == 403  # read-only role
+        assert api.delete(f"/v1/apikeys/{made['id']}").status_code == 204
+        r = c.get("/v1/sandboxes")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    listed = api.get("/v1/apikeys").json()["apikeys"]
+    assert all("key" not in k for k in listed) and made["id"] not in [k["id"] for k in listed]
