@@ -283,11 +283,13 @@ class Controller:
                     with contextlib.suppress(SpaceError):
                         await node.call("DELETE", f"/v1/sandboxes/{sid}")
                 elif item.get("status") == "dead" and sb.state == State.RUNNING:
-                    log.warning("reconcile.sandbox_died", sandbox=sid)
+                    cause = item.get("death") or "exited"
+                    log.warning("reconcile.sandbox_died", sandbox=sid, cause=cause)
+                    why = "ran out of memory and was killed" if cause == "oom" else "its runtime instance died"
                     with contextlib.suppress(SpaceError):
                         await self.store.set_sandbox_state(
                             sid, State.FAILED, expect=[State.RUNNING], error_code="runtime_error",
-                            error_message="the sandbox's runtime instance died",
+                            error_message=f"sandbox {sid} {why}",
                         )
             present = {item["id"] for item in live}
             for sid, sb in wanted.items():

@@ -24,7 +24,7 @@ from space.errors import InvalidRequest, NotFound, PayloadTooLarge, SpaceError, 
 from space.guest.protocol import MAX_PAYLOAD
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
-from space.web import guest_event_to_sse, install_error_handlers
+from space.web import guest_event_to_sse, install_error_handlers, sse
 
 log = structlog.get_logger("space.node.api")
 
@@ -83,6 +83,7 @@ def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
         "memory_mb": sb.memory_mb,
         "created_at": sb.created_at,
         "timings": sb.timings,
+        "death": sb.death,
     }
 
 
@@ -236,6 +237,15 @@ def create_node_app(
                 yield guest_event_to_sse(*first)
                 async for header, payload in events:
                     yield guest_event_to_sse(header, payload)
+            except SpaceError as exc:
+                # The channel dropped: say why (a dead sandbox) so clients stop instead of retrying.
+                err: SpaceError = exc
+                try:
+                    await manager.check_alive(manager.get(sandbox_id), settle=3.0)
+                except SpaceError as dead:
+                    err = dead
+                if not err.retryable:
+                    yield sse("error", err.to_wire()["error"])
             finally:
                 await events.aclose()
 

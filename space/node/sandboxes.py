@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,8 @@ class LocalSandbox:
     status: str = "starting"
     created_at: float = dataclasses.field(default_factory=time.time)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Why the instance died (status "dead"): "oom", "exited" or None while alive.
+    death: str | None = None
 
     def public(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -238,6 +239,8 @@ class SandboxManager:
     async def guest(self, sandbox_id: str) -> GuestConnection:
         """The live channel to the sandbox's guest daemon, reconnecting through the shim if needed."""
         sb = self.get(sandbox_id)
+        if sb.status == "dead":
+            raise dead_error(sb)
         if sb.status != "running":
             raise InvalidState(
                 f"sandbox {sandbox_id} is {sb.status} on its node",
@@ -249,16 +252,45 @@ class SandboxManager:
             return conn
         if not sb.channel:
             raise Unavailable(f"sandbox {sandbox_id} has no guest channel")
+        # A dropped channel usually means the instance died: ask the runtime before waiting.
+        await self.check_alive(sb)
+        if not os.path.exists(sb.channel):  # noqa: ASYNC240 -- one stat; the shim left, the guest's stdout closed
+            await self.check_alive(sb, settle=3.0)
+            raise Unavailable(f"sandbox {sb.id}'s guest channel is gone")
         try:
             conn = await GuestConnection.connect(sb.channel, timeout=self.guest_timeout)
         except SpaceError:
-            if sb.instance_id and await self.driver.state(sb.instance_id) is None:
-                sb.status = "dead"
-                self._save(sb)
-                raise RuntimeFailure(f"sandbox {sandbox_id}'s runtime instance is gone") from None
+            await self.check_alive(sb, settle=3.0)
             raise
         self._guests[sandbox_id] = conn
         return conn
+
+    async def check_alive(self, sb: LocalSandbox, *, settle: float = 0.0) -> None:
+        """Raise (and remember) a dead-sandbox error if the runtime instance is no longer running.
+
+        ``settle``: the guest channel drops a moment before the runtime reports the instance
+        stopped; a caller that just lost the channel waits up to this long for the verdict.
+        """
+        if sb.status == "dead":
+            raise dead_error(sb)
+        if not sb.instance_id:
+            return
+        deadline = time.monotonic() + settle
+        while True:
+            state = await self.driver.state(sb.instance_id)
+            if state not in ("running", "created", "paused"):
+                break
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.1)
+        sb.status = "dead"
+        sb.death = await self.driver.death_cause(sb.instance_id) or "exited"
+        self._save(sb)
+        conn = self._guests.pop(sb.id, None)
+        if conn is not None:
+            await conn.close()
+        log.warning("sandbox.died", sandbox=sb.id, instance=sb.instance_id, cause=sb.death)
+        raise dead_error(sb)
 
     async def default_user(self, sandbox_id: str) -> str | None:
         return self.get(sandbox_id).user
@@ -267,10 +299,15 @@ class SandboxManager:
         conn = await self.guest(sandbox_id)
         return await conn.request("activity")
 
-    async def events(self, sandbox_id: str, cmd: str, after: int) -> AsyncIterator[tuple[dict[str, Any], bytes]]:
-        conn = await self.guest(sandbox_id)
-        async for item in conn.events(cmd, after=after):
-            yield item
+
+
+def dead_error(sb: LocalSandbox) -> RuntimeFailure:
+    """The error every call on a dead sandbox gets; ``sandbox_dead`` lets the control plane record it."""
+    if sb.death == "oom":
+        why = f"ran out of memory (limit {sb.memory_mb} MiB) and was killed"
+    else:
+        why = "stopped: its runtime instance exited"
+    return RuntimeFailure(f"sandbox {sb.id} {why}", sandbox_dead=True, cause=sb.death or "exited")
 
 
 def _template_user(info: Any) -> str | None:

@@ -44,6 +44,9 @@ class RuntimeDriver(Protocol):
     async def state(self, instance_id: str) -> str | None:
         """The runtime's view: "running", "paused", "stopped", ... or None when unknown."""
 
+    async def death_cause(self, instance_id: str) -> str | None:
+        """Why a stopped instance ended, when the runtime knows: "oom" or None."""
+
     async def list_instances(self) -> dict[str, str]:
         """Every instance this driver knows on the node: id -> state."""
 

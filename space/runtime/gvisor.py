@@ -120,6 +120,19 @@ class GVisorDriver:
         except ValueError:
             return "unknown"
 
+    async def death_cause(self, instance_id: str) -> str | None:
+        # The host OOM killer takes the whole sandbox (RUNTIME_NOTES); its memcg counts the kill and
+        # outlives the instance until `runsc delete`.
+        oom = Path("/sys/fs/cgroup/memory/space") / instance_id / "memory.oom_control"
+        try:
+            for line in oom.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and int(value) > 0:
+                    return "oom"
+        except (OSError, ValueError):
+            pass
+        return None
+
     async def list_instances(self) -> dict[str, str]:
         res = await privileged.run(*self._cmd("list", "--format=json"), check=False, timeout=30)
         if res.returncode != 0 or not res.text.strip():

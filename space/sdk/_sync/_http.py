@@ -145,6 +145,9 @@ class SyncHTTP:
                             if seq <= last:
                                 continue
                             last = seq
+                        if sse.event == "error":
+                            # The server ended the stream for good (e.g. the sandbox died).
+                            raise errors.from_wire(500, {"error": sse.json()})
                         progressed = True
                         yield sse.event, seq, sse.json()
                         if sse.event == final:
