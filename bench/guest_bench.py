@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from space.node.guest_client import GuestConnection
+from tests.e2e.harness import Server, base_template, free_port
 from tests.guest.guest_harness import HostGuest, RunscGuest, runtime_skip_reason
 
 BULK = 200 * 1024 * 1024
@@ -56,10 +58,10 @@ async def channel(kind: str, guest: HostGuest | RunscGuest) -> None:
         await conn.close()
 
 
-async def boots(n: int = 5) -> None:
+async def boots(template: Path, scratch: Path, n: int = 5) -> None:
     boot, ready = [], []
     for _ in range(n):
-        g = RunscGuest()
+        g = RunscGuest(template, scratch)
         try:
             t = time.perf_counter()
             g.start()
@@ -87,12 +89,20 @@ async def main() -> None:
     if args.no_runsc or reason:
         print(f"runsc: skipped ({reason or '--no-runsc'})")
         return
-    await boots()
-    r = RunscGuest().start()
-    try:
-        await channel("runsc", r)
-    finally:
-        r.stop()
+    # A scratch `space serve` provides a pool with the real base template to snapshot.
+    with tempfile.TemporaryDirectory(prefix="space-guest-bench-") as tmp:
+        srv = Server(data_dir=Path(tmp) / "data", port=free_port(), log_path=Path(tmp) / "serve.log")
+        try:
+            srv.start()
+            template, scratch = base_template(srv), srv.data_dir / "pool" / "tmp"
+            await boots(template, scratch)
+            r = RunscGuest(template, scratch).start()
+            try:
+                await channel("runsc", r)
+            finally:
+                r.stop()
+        finally:
+            srv.teardown()
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 import pytest
+
+from space.node.main import channel_dir_for
+from tests.e2e.harness import Server, free_port, loop_devices, runtime_available
 
 # ---- PostgreSQL ---------------------------------------------------------------------------------
 
@@ -80,3 +84,22 @@ def postgres_url() -> str:
         return _ensure_local_postgres()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"PostgreSQL unavailable: {e}")
+
+
+# ---- a real `space serve` ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    reason = runtime_available()
+    if reason:
+        pytest.skip(reason)
+    data = tmp_path_factory.mktemp("srv")
+    srv = Server(data_dir=data / "data", port=free_port(), log_path=data / "serve.log")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.teardown()
+        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"

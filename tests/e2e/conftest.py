@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -8,27 +7,7 @@ import httpx
 import pytest
 
 from space.node.main import channel_dir_for
-from tests.e2e.harness import Server, free_port, runtime_available
-
-
-def _loop_devices(image: Path) -> str:
-    return subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    reason = runtime_available()
-    if reason:
-        pytest.skip(reason)
-    data = tmp_path_factory.mktemp("srv")
-    srv = Server(data_dir=data / "data", port=free_port(), log_path=data / "serve.log")
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.teardown()
-        assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
-        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
+from tests.e2e.harness import Server, free_port, loop_devices, runtime_available
 
 
 @pytest.fixture(scope="module")
@@ -49,5 +28,5 @@ def fresh_server(tmp_path: Path) -> Iterator[Server]:
         yield srv
     finally:
         srv.teardown()
-        assert _loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
         assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from tests.waiting import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 SPACE = str(Path(sys.executable).parent / "space")
 
@@ -30,21 +32,15 @@ def runtime_available() -> str | None:
     return None
 
 
+def loop_devices(image: Path) -> str:
+    """The loop devices attached to ``image`` (empty when none)."""
+    return subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout.strip()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 @dataclasses.dataclass
@@ -124,6 +120,14 @@ class Server:
         self.stop()
         subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir)], check=True,
                        capture_output=True, timeout=300)
+
+
+def base_template(server: Server) -> Path:
+    """The read-only subvolume of the server's ``base`` template (its root filesystem)."""
+    found = sorted((server.data_dir / "pool" / "templates").glob("base@*"))
+    dirs = [p for p in found if p.is_dir()]
+    assert dirs, "the server has no base template"
+    return dirs[-1]
 
 
 def _node_agent_running(data_dir: Path) -> bool:

@@ -13,14 +13,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
+
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 GUEST_DIR = REPO / "space" / "guest"
 DAEMON = GUEST_DIR / "daemon.py"
-TEMPLATE = Path("/work/dev/pool/rootfs-exp")
 RUNSC_FLAGS = ["--platform=systrap", "--overlay2=none", "--network=none"]
 
 
@@ -97,26 +97,28 @@ class HostGuest:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def runtime_skip_reason() -> str | None:
+def runtime_skip_reason(template: Path | None = None) -> str | None:
     if os.geteuid() != 0:
         return "needs root"
     for tool in ("runsc", "btrfs"):
         if shutil.which(tool) is None:
             return f"{tool} not installed"
-    if not (TEMPLATE / "usr" / "bin" / "python3").exists():
-        return f"template rootfs {TEMPLATE} missing"
+    if template is not None and not (template / "usr" / "bin" / "python3").exists():
+        return f"template rootfs {template} missing"
     return None
 
 
 class RunscGuest:
-    """daemon.py as PID 1 of a real runsc sandbox on a btrfs snapshot of the template."""
+    """daemon.py as PID 1 of a real runsc sandbox on a btrfs snapshot of ``template`` (a read-only
+    subvolume), the snapshot made in ``scratch`` (a directory on the same btrfs filesystem)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: Path, scratch: Path) -> None:
         token = uuid.uuid4().hex[:12]
         self.id = f"guestd-{token}"
+        self.template = template
         self.workdir = Path(tempfile.mkdtemp(prefix="guestd-"))
         self.root = self.workdir / "runsc"
-        self.rootfs = TEMPLATE.parent / f"guestd-{token}"
+        self.rootfs = scratch / f"guestd-{token}"
         self.chan = _Channel(self.workdir)
         self.created = False
 
@@ -153,7 +155,7 @@ class RunscGuest:
 
     def start(self) -> RunscGuest:
         self.root.mkdir()
-        subprocess.run(["btrfs", "subvolume", "snapshot", str(TEMPLATE), str(self.rootfs)], check=True,
+        subprocess.run(["btrfs", "subvolume", "snapshot", str(self.template), str(self.rootfs)], check=True,
                        capture_output=True)
         bundle = self.workdir / "bundle"
         bundle.mkdir()
@@ -182,9 +184,8 @@ class RunscGuest:
             self.runsc("delete", "-force", self.id, check=False)
         self.chan.stop_shim()
         if self.rootfs.exists():
-            for _ in range(50):  # the sandbox's gofer may still hold the root for a moment
-                if subprocess.run(["btrfs", "subvolume", "delete", str(self.rootfs)],
-                                  capture_output=True).returncode == 0:
-                    break
-                time.sleep(0.1)
+            # The sandbox's gofer may still hold the root for a moment.
+            wait_for(lambda: subprocess.run(["btrfs", "subvolume", "delete", str(self.rootfs)],
+                                            capture_output=True).returncode == 0,
+                     5, f"btrfs to release {self.rootfs}", interval=0.1)
         shutil.rmtree(self.workdir, ignore_errors=True)

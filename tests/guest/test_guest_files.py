@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 from space import errors
 from space.node import guest_client
 from space.node.guest_client import GuestConnection
+from tests.waiting import await_for
 
 MiB = 1 << 20
 
@@ -59,9 +59,10 @@ async def test_aborted_upload_leaves_nothing(conn: GuestConnection, tmp_path: Pa
     with pytest.raises(RuntimeError):
         await conn.upload("fs.write", failing(), path=str(target))
     # The guest drops the temporary file once it sees the abort: wait for that, with a deadline.
-    async with asyncio.timeout(10):
-        while (await conn.request("fs.list", path=str(tmp_path)))["entries"]:
-            await asyncio.sleep(0.01)
+    async def emptied() -> bool:
+        return not (await conn.request("fs.list", path=str(tmp_path)))["entries"]
+
+    await await_for(emptied, 10, "the aborted upload's temporary file to go")
     assert not target.exists()
 
 

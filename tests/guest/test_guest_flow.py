@@ -9,6 +9,7 @@ from typing import Any
 from space.node.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest
 from tests.guest.test_guest_exec import cid, collect
+from tests.waiting import await_for
 
 MiB = 1 << 20
 WINDOW = 4 * MiB
@@ -22,13 +23,13 @@ async def command(conn: GuestConnection, c: str) -> dict[str, Any]:
 
 
 async def wait_for(conn: GuestConnection, c: str, pred: Any, within: float = 20.0) -> dict[str, Any]:
-    """Poll the command's listing until ``pred`` holds (deadline, no fixed sleeps)."""
-    async with asyncio.timeout(within):
-        while True:
-            info = await command(conn, c)
-            if pred(info):
-                return info
-            await asyncio.sleep(0.02)
+    """The command's listing once ``pred`` holds for it."""
+
+    async def check() -> dict[str, Any] | None:
+        info = await command(conn, c)
+        return info if pred(info) else None
+
+    return await await_for(check, within, f"command {c} to match")
 
 
 def check_stream(evs: list[dict[str, Any]]) -> None:

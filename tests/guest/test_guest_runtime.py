@@ -10,6 +10,7 @@ import pytest
 
 from space import errors
 from space.node.guest_client import GuestConnection
+from tests.e2e.harness import Server, base_template
 from tests.guest.guest_harness import RunscGuest, runtime_skip_reason
 from tests.guest.test_guest_exec import cid, collect, run
 
@@ -18,11 +19,13 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Iterator[RunscGuest]:
-    reason = runtime_skip_reason()
+def sandbox(server: Server) -> Iterator[RunscGuest]:
+    """The daemon straight under runsc (no node agent), on the shared server's real base template."""
+    template = base_template(server)
+    reason = runtime_skip_reason(template)
     if reason:
         pytest.skip(reason)
-    g = RunscGuest()
+    g = RunscGuest(template, server.data_dir / "pool" / "tmp")
     try:
         g.start()
         yield g

@@ -16,6 +16,7 @@ from space.node.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest
 from tests.guest.test_guest_exec import cid, collect
 from tests.guest.test_guest_flow import check_stream, wait_for
+from tests.waiting import await_for
 
 MiB = 1 << 20
 
@@ -33,9 +34,10 @@ def cleaned_up(guest: HostGuest) -> bool:
 
 
 async def wait_exit(proc: subprocess.Popen[bytes], within: float = 10.0) -> int:
-    async with asyncio.timeout(within):
-        while proc.poll() is None:
-            await asyncio.sleep(0.01)
+    async def exited() -> bool:
+        return proc.poll() is not None
+
+    await await_for(exited, within, f"process {proc.pid} to exit")
     assert proc.returncode is not None
     return proc.returncode
 
@@ -106,9 +108,10 @@ async def test_sigterm_stops_shim_and_host_daemon(guest: HostGuest) -> None:
     assert cleaned_up(guest)
     # Off PID 1, the daemon takes the end of its channel as the end: it kills its commands and exits.
     await wait_exit(guest.daemon)
-    async with asyncio.timeout(10):
-        while not gone(pid):
-            await asyncio.sleep(0.01)
+    async def reaped() -> bool:
+        return gone(pid)
+
+    await await_for(reaped, 10, f"command process {pid} to be gone")
     await conn.close()
 
 

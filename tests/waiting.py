@@ -1,0 +1,36 @@
+"""Waiting on conditions with deadlines: the one place tests poll (never a fixed sleep)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+async def await_for(predicate: Callable[[], Awaitable[T]], timeout: float, what: str,
+                    interval: float = 0.01) -> T:
+    """The async twin of :func:`wait_for`, for conditions that need the event loop to progress."""
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                got = await predicate()
+                if got:
+                    return got
+                await asyncio.sleep(interval)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
