@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -15,7 +16,7 @@ from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
-from space.errors import InvalidRequest, NotFound
+from space.errors import InvalidRequest
 from space.lifecycle import Action, State, require
 from space.store import Operation, Sandbox
 from space.web import sse
@@ -113,7 +114,7 @@ async def delete_sandbox(
 async def get_operation(
     op_id: str, who: Auth, st: St, wait: Annotated[float, Query(ge=0, le=60)] = 0
 ) -> dict[str, Any]:
-    op = await st.store.get_operation(op_id, tenant=who.tenant if who.role != "admin" else None)
+    op = await st.store.get_operation(op_id, tenant=who.tenant)
     if op.status in FINISHED or wait <= 0:
         return views.operation(op)
     deadline = time.monotonic() + wait
@@ -139,26 +140,25 @@ async def operation_logs(
     st: St,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
-    op = await st.store.get_operation(op_id, tenant=who.tenant if who.role != "admin" else None)
-    after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
+    await st.store.get_operation(op_id, tenant=who.tenant)  # 404 for another tenant's operation
+    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
 
-    async def stream() -> Any:
-        nonlocal after, op
+    async def stream() -> AsyncIterator[bytes]:
+        after = start
         while True:
             lines = await st.store.get_operation_logs(op_id, after=after)
             for ln in lines:
                 after = ln.seq
                 yield sse("log", {"seq": ln.seq, "line": ln.line}, ln.seq)
-            if not lines:
-                op = await st.store.get_operation(op_id)
-                if op.status in FINISHED:
-                    rest = await st.store.get_operation_logs(op_id, after=after)
-                    if not rest:
-                        yield sse("end", views.operation(op))
-                        return
-                    continue
-                await asyncio.sleep(0.2)
+            if lines:
+                continue
+            op = await st.store.get_operation(op_id)
+            if op.status in FINISHED:
+                # Lines written just before it finished are read on the next turn, then the end.
+                if not await st.store.get_operation_logs(op_id, after=after):
+                    yield sse("end", views.operation(op))
+                    return
+                continue
+            await asyncio.sleep(0.2)
 
-    if op is None:
-        raise NotFound(f"operation {op_id} not found")
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"cache-control": "no-store"})

@@ -18,7 +18,7 @@ import structlog
 
 from space import ids
 from space.controller.nodes import NodeRegistry
-from space.errors import Conflict, InvalidState, NotFound, SpaceError, Unavailable
+from space.errors import Conflict, Internal, InvalidState, NotFound, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
 from space.store import Operation, Store
 
@@ -142,7 +142,7 @@ class Controller:
                 return
             except Exception as exc:
                 bound.exception("operation.crashed")
-                err = SpaceError(f"unexpected error: {exc!r}")
+                err = Internal(f"unexpected error: {exc!r}")
                 await self._on_failure(op, err)
                 await self.store.finish_operation(op.id, "failed", error_code="internal",
                                                   error_message=err.message)
@@ -250,7 +250,7 @@ class Controller:
                     if pending:
                         await self.store.append_operation_logs(op.id, pending)
                     err = item["error"]
-                    raise SpaceError(f"node {node.node_id}: {err.get('message')}")
+                    raise from_wire(500, {"error": {**err, "message": f"node {node.node_id}: {err.get('message')}"}})
                 elif "template" in item:
                     result = item["template"]
             if pending:
