@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from space import ids, paths
-from space.errors import InvalidRequest, NotFound, PayloadTooLarge, SpaceError, Unauthorized
+from space.errors import InvalidRequest, NotFound, PayloadTooLarge, RuntimeFailure, SpaceError, Unauthorized
 from space.guest.protocol import MAX_PAYLOAD
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
@@ -94,6 +94,7 @@ def create_node_app(
     manager: SandboxManager,
     templates: TemplateStore,
     max_upload_bytes: int,
+    sse_keepalive: float = 15.0,
 ) -> FastAPI:
     app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -227,27 +228,67 @@ def create_node_app(
     async def command_events(sandbox_id: str, cid: str, after: int = 0) -> StreamingResponse:
         conn = await manager.guest(sandbox_id)
         events = conn.events(cid, after=after)
-        # Pull the first event before answering so that an unknown command is a clean 404.
-        first = await anext(aiter(events), None)
+        # A small queue between the guest and the client: big enough to keep the stream flowing,
+        # small enough that a slow client still holds back the guest's acks (backpressure).
+        queue: asyncio.Queue[bytes | SpaceError | None] = asyncio.Queue(maxsize=16)
+
+        async def pump() -> None:
+            try:
+                async for header, payload in events:
+                    await queue.put(guest_event_to_sse(header, payload))
+            except SpaceError as exc:
+                await queue.put(exc)
+            await queue.put(None)
+
+        async def stream_error(exc: SpaceError) -> bytes | None:
+            """A stream that broke: an ``error`` event if the sandbox died, else a plain end (retry)."""
+            err = exc
+            try:
+                await manager.check_alive(manager.get(sandbox_id), settle=3.0)
+            except SpaceError as dead:
+                err = dead
+            return None if err.retryable else sse("error", err.to_wire()["error"])
+
+        async def stop(task: asyncio.Task[None]) -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await events.aclose()
+
+        task = asyncio.create_task(pump())
+        # Wait a moment for the first event so that an unknown command is a clean 404; a command
+        # that is quiet for longer gets its 200 and keepalives.
+        try:
+            first = await asyncio.wait_for(queue.get(), timeout=min(sse_keepalive, 0.5))
+        except TimeoutError:
+            first = b""
+        except BaseException:
+            await stop(task)
+            raise
+        if isinstance(first, SpaceError) and not first.retryable and not isinstance(first, RuntimeFailure):
+            await stop(task)
+            raise first
 
         async def body_iter() -> AsyncIterator[bytes]:
+            item = first
             try:
-                if first is None:
-                    return
-                yield guest_event_to_sse(*first)
-                async for header, payload in events:
-                    yield guest_event_to_sse(header, payload)
-            except SpaceError as exc:
-                # The channel dropped: say why (a dead sandbox) so clients stop instead of retrying.
-                err: SpaceError = exc
-                try:
-                    await manager.check_alive(manager.get(sandbox_id), settle=3.0)
-                except SpaceError as dead:
-                    err = dead
-                if not err.retryable:
-                    yield sse("error", err.to_wire()["error"])
+                while True:
+                    if item is None:
+                        return
+                    if isinstance(item, SpaceError):
+                        last = await stream_error(item)
+                        if last:
+                            yield last
+                        return
+                    if item:
+                        yield item
+                    try:
+                        item = await asyncio.wait_for(queue.get(), timeout=sse_keepalive)
+                    except TimeoutError:
+                        # Quiet commands run for hours: keep proxies and clients from timing out.
+                        yield b": keepalive\n\n"
+                        item = b""
             finally:
-                await events.aclose()
+                await stop(task)
 
         return StreamingResponse(body_iter(), media_type="text/event-stream",
                                  headers={"cache-control": "no-store"})

@@ -47,6 +47,9 @@ class NodeSettings:
     max_upload_bytes: int = 1 << 30
     #: Die with the parent process (``space serve``); sandboxes survive in their own sessions.
     die_with_parent: bool = False
+    #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
+    sse_keepalive: float = dataclasses.field(
+        default_factory=lambda: float(os.environ.get("SPACE_SSE_KEEPALIVE", "15")))
 
 
 def channel_dir_for(data_dir: Path) -> Path:
@@ -107,6 +110,7 @@ async def serve_node(settings: NodeSettings) -> None:
         manager=manager,
         templates=templates,
         max_upload_bytes=settings.max_upload_bytes,
+        sse_keepalive=settings.sse_keepalive,
     )
     if settings.socket is not None:
         # uvicorn makes the socket world-writable: the 0700 directory is what guards it.

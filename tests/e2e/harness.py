@@ -66,6 +66,8 @@ class Server:
             [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
              "--pool-size-gb", "16", "--max-upload-mb", "64", *self.extra_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
+            # Keepalives every second so that every stream in the tests carries some.
+            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1"},
         )
         log.close()
         wait_for(self._healthy, 300, "the server to answer /healthz")
@@ -173,6 +175,8 @@ def read_events(c: httpx.Client, sandbox_id: str, cid: str, *, after: int | None
             raise AssertionError(f"events: {r.status_code} {r.text}")
         ev: dict[str, Any] = {}
         for line in r.iter_lines():
+            if line.startswith(":"):  # SSE comment (keepalive)
+                continue
             if not line:
                 if ev:
                     ev["data"] = json.loads(ev.get("data", "null"))

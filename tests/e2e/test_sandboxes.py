@@ -143,6 +143,8 @@ def test_errors_are_json_with_codes(api: httpx.Client, server: Server, sandbox: 
     err(api.post("/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}),
         422, "validation_failed")
     err(api.post(f"/v1/sandboxes/{sandbox}/commands", json={}), 400, "invalid_request")
+    err(api.get(f"/v1/sandboxes/{sandbox}/commands/cnosuchcommand00/events"), 404, "not_found")
+    err(api.get(f"/v1/sandboxes/{sandbox}/commands/cnosuchcommand00"), 404, "not_found")
     with httpx.Client(base_url=server.url) as anon:
         err(anon.get("/v1/sandboxes"), 401, "unauthorized")
         err(anon.get("/v1/sandboxes", headers={"authorization": "Bearer sk_wrong"}), 401, "unauthorized")
@@ -209,3 +211,13 @@ def test_revoked_key_stops_working_at_once(api: httpx.Client, server: Server) ->
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
     listed = api.get("/v1/apikeys").json()["apikeys"]
     assert all("key" not in k for k in listed) and made["id"] not in [k["id"] for k in listed]
+
+
+def test_quiet_streams_get_keepalives(api: httpx.Client, sandbox: str) -> None:
+    """The test server sends a keepalive after 1 s of silence (production: 15 s)."""
+    cid = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"shell": "sleep 2.5; echo done"}).json()["id"]
+    with api.stream("GET", f"/v1/sandboxes/{sandbox}/commands/{cid}/events") as r:
+        lines = list(r.iter_lines())
+    assert ": keepalive" in lines
+    events = [line.split(": ", 1)[1] for line in lines if line.startswith("event: ")]
+    assert events == ["stdout", "exit"]
