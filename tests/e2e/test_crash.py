@@ -3,12 +3,17 @@ ends running or cleanly failed, and no runsc container, mount or loop device is 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import signal
 import subprocess
+from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.harness import Server, run, wait_for, wait_operation
+from tests.e2e.harness import Server, create_sandbox, read_events, run, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
 
@@ -70,3 +75,47 @@ def test_sandboxes_survive_a_server_restart(fresh_server: Server) -> None:
         api.delete(f"/v1/sandboxes/{sid}")
 
 
+
+
+def _node_agent_pid(server: Server) -> int:
+    needle = f"--data-dir\x00{server.data_dir}\x00".encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
+                return int(p.name)
+    raise AssertionError("no node agent process")
+
+
+def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> None:
+    """The shim holds the guest channel: a SIGKILLed node agent is restarted by the server and
+    re-attaches; the sandbox, its running command and the command's buffered output are intact."""
+    sid = create_sandbox(api)
+    r = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "echo before; read x; echo after $x", "stdin": True})
+    cid = r.json()["id"]
+    wait_for(lambda: b"before" in _stdout(api, sid, cid, limit=1), 30, "the command's first output")
+    old = _node_agent_pid(server)
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
+    wait_for(lambda: api.post(f"/v1/sandboxes/{sid}/commands/{cid}/stdin", content=b"1\n",
+                              params={"eof": "true"}).status_code == 204, 60, "the sandbox to answer again")
+    events = read_events(api, sid, cid)
+    out = b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stdout")
+    assert out == b"before\nafter 1\n" and events[-1]["data"]["exit_code"] == 0
+    assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def _node_agent_pid_or_none(server: Server) -> int | None:
+    try:
+        return _node_agent_pid(server)
+    except AssertionError:
+        return None
+
+
+def _stdout(api: httpx.Client, sid: str, cid: str, limit: int) -> bytes:
+    events = read_events(api, sid, cid, limit=limit)
+    return b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stdout")
