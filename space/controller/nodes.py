@@ -43,6 +43,8 @@ class NodeRegistry:
         nodes = await self.store.list_nodes("ready")
         if not nodes:
             raise Unavailable("no ready node to place the sandbox on")
+        if len(nodes) == 1:  # nothing to weigh: skip counting every live sandbox
+            return await self.client(nodes[0].id)
         counts: dict[str, int] = {n.id: 0 for n in nodes}
         for sb in await self.store.list_sandboxes(states=["creating", "running", "paused"]):
             if sb.node_id in counts:
