@@ -292,9 +292,6 @@ class SandboxManager:
         log.warning("sandbox.died", sandbox=sb.id, instance=sb.instance_id, cause=sb.death)
         raise dead_error(sb)
 
-    async def default_user(self, sandbox_id: str) -> str | None:
-        return self.get(sandbox_id).user
-
     async def activity(self, sandbox_id: str) -> dict[str, Any]:
         conn = await self.guest(sandbox_id)
         return await conn.request("activity")

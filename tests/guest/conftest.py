@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from space.node.guest_client import GuestConnection
-from tests.guest.guest_harness import HostGuest
+from tests.guest.guest_harness import HostGuest, connected
 
 
 @pytest.fixture
@@ -26,8 +26,5 @@ def guest() -> Iterator[HostGuest]:
 
 @pytest.fixture
 async def conn(guest: HostGuest) -> AsyncIterator[GuestConnection]:
-    c = await GuestConnection.connect(guest.socket, timeout=15)
-    try:
+    async with connected(guest.socket, timeout=15) as c:
         yield c
-    finally:
-        await c.close()

@@ -14,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+from space.node.guest_client import GuestConnection
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +108,16 @@ def runtime_skip_reason(template: Path | None = None) -> str | None:
     if template is not None and not (template / "usr" / "bin" / "python3").exists():
         return f"template rootfs {template} missing"
     return None
+
+
+@contextlib.asynccontextmanager
+async def connected(socket: str, timeout: float) -> AsyncIterator[GuestConnection]:
+    """A GuestConnection to ``socket`` (ready: hello answered), closed on exit."""
+    conn = await GuestConnection.connect(socket, timeout=timeout)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 class RunscGuest:

@@ -11,8 +11,9 @@ import pytest
 from space import errors
 from space.node.guest_client import GuestConnection
 from tests.e2e.harness import Server, base_template
-from tests.guest.guest_harness import RunscGuest, runtime_skip_reason
+from tests.guest.guest_harness import RunscGuest, connected, runtime_skip_reason
 from tests.guest.test_guest_exec import cid, collect, run
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.runtime
 MiB = 1 << 20
@@ -35,11 +36,8 @@ def sandbox(server: Server) -> Iterator[RunscGuest]:
 
 @pytest.fixture
 async def rconn(sandbox: RunscGuest) -> AsyncIterator[GuestConnection]:
-    c = await GuestConnection.connect(sandbox.socket, timeout=30)
-    try:
+    async with connected(sandbox.socket, timeout=30) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_pid1_in_its_own_kernel(rconn: GuestConnection) -> None:
@@ -60,15 +58,16 @@ async def test_exec_pty_signal_and_reaping(rconn: GuestConnection) -> None:
     assert evs[-1]["signal"] == 15
     # Orphans are reparented to PID 1 (us) and must not stay zombies.
     await run(rconn, shell="(sleep 0.05 &) ; exit 0")
-    probe = ("import os,time\n"
-             "for _ in range(200):\n"
-             "    z=[p for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read()"
-             ".rsplit(')',1)[1].split()[0]=='Z']\n"
-             "    if not z: break\n"
-             "    time.sleep(0.01)\n"
-             "print(len(z))")
-    _, out, _ = await run(rconn, argv=["python3", "-c", probe])
-    assert out.strip() == b"0"
+    # One look at /proc per poll, from the test, until no zombie is left (with a deadline).
+    probe = ("import os\n"
+             "print(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read()"
+             ".rsplit(')',1)[1].split()[0]=='Z'))")
+
+    async def no_zombies() -> bool:
+        _, out, _ = await run(rconn, argv=["python3", "-c", probe])
+        return out.strip() == b"0"
+
+    await await_for(no_zombies, 10, "the orphan to be reaped by PID 1")
 
 
 async def test_files_and_bulk_output(rconn: GuestConnection) -> None:
