@@ -102,6 +102,20 @@ class QuotaExceeded(SpaceError):
     status = 429
 
 
+class SnapshotCorrupt(SpaceError):
+    """A snapshot's artifacts are missing or do not match their manifest: it cannot be restored."""
+
+    code = "snapshot_corrupt"
+    status = 409
+
+
+class InsufficientStorage(SpaceError):
+    """The node's pool (or the object store) has no room for what was asked."""
+
+    code = "insufficient_storage"
+    status = 507
+
+
 class RuntimeFailure(SpaceError):
     """The sandbox runtime (runsc, btrfs, the guest) failed to do what it was asked."""
 
@@ -158,7 +172,7 @@ def from_wire(status: int, body: Any) -> SpaceError:
 
 def _by_status(status: int) -> type[SpaceError]:
     for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
-                ValidationFailed, QuotaExceeded, Unavailable, Timeout):
+                ValidationFailed, QuotaExceeded, InsufficientStorage, Unavailable, Timeout):
         if cls.status == status:
             return cls
     return Internal

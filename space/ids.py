@@ -36,3 +36,12 @@ def instance_id(sandbox: str) -> str:
 
 def token(nbytes: int = 32) -> str:
     return secrets.token_urlsafe(nbytes)
+
+
+def snapshot_id() -> str:
+    """21 characters: ``snap-`` and 16 random (object-store keys and btrfs names both accept it)."""
+    return "snap-" + _random(16)
+
+
+def event_id() -> str:
+    return "ev-" + _random(16)

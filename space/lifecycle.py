@@ -46,9 +46,12 @@ A = Action
 TRANSITIONS: dict[State, frozenset[State]] = {
     S.CREATING: frozenset({S.RUNNING, S.FAILED, S.TERMINATING}),
     S.RUNNING: frozenset({S.PAUSED, S.SUSPENDING, S.TERMINATING, S.FAILED, S.RESTORING}),
-    S.PAUSED: frozenset({S.RUNNING, S.SUSPENDING, S.TERMINATING, S.FAILED}),
-    S.SUSPENDING: frozenset({S.SUSPENDED, S.RUNNING, S.FAILED, S.TERMINATING}),
+    S.PAUSED: frozenset({S.RUNNING, S.SUSPENDING, S.RESTORING, S.TERMINATING, S.FAILED}),
+    # A suspend that cannot finish puts the sandbox back as it was (running or paused).
+    S.SUSPENDING: frozenset({S.SUSPENDED, S.RUNNING, S.PAUSED, S.FAILED, S.TERMINATING}),
     S.SUSPENDED: frozenset({S.RESTORING, S.TERMINATING}),
+    # restoring covers every "new instance from a snapshot": restore, rollback, crash recovery.
+    # A restore that fails leaves a suspended sandbox suspended (nothing half-restored).
     S.RESTORING: frozenset({S.RUNNING, S.SUSPENDED, S.FAILED, S.TERMINATING}),
     S.TERMINATING: frozenset({S.TERMINATED, S.FAILED}),
     S.TERMINATED: frozenset(),
@@ -72,6 +75,23 @@ ACTIONS: dict[State, frozenset[Action]] = {
 LIVE: frozenset[State] = frozenset({S.CREATING, S.RUNNING, S.PAUSED, S.SUSPENDING, S.RESTORING})
 #: States that never change again.
 FINAL: frozenset[State] = frozenset({S.TERMINATED})
+
+
+#: What a call that needs the guest does first in a state that has no guest running: an API call
+#: to a paused or suspended sandbox resumes or restores it transparently (idle policy).
+WAKE: dict[State, Action] = {S.PAUSED: A.RESUME, S.SUSPENDED: A.RESTORE}
+#: Where each action that changes the sandbox's own state moves it.
+ACTION_TARGET: dict[Action, State | None] = {
+    A.EXEC: None,
+    A.SNAPSHOT: None,
+    A.FORK: None,  # makes other sandboxes
+    A.PAUSE: S.PAUSED,
+    A.RESUME: S.RUNNING,
+    A.SUSPEND: S.SUSPENDING,
+    A.RESTORE: S.RESTORING,
+    A.ROLLBACK: S.RESTORING,
+    A.DELETE: S.TERMINATING,
+}
 
 
 def allowed_actions(state: State) -> list[str]:

@@ -29,6 +29,7 @@ from space.errors import NotFound, SpaceError, Unavailable
 from space.node.client import NodeClient
 from space.node.main import channel_dir_for
 from space.node.templates import BASE_SPEC
+from space.objstore import ObjectStore
 from space.store import Store
 
 log = structlog.get_logger("space.serve")
@@ -65,6 +66,7 @@ class NodeProcess:
             "--token-file", str(self.token_file), "--node-id", NODE_ID,
             "--cache-dir", str(s.cache_dir), "--pool-size-gb", str(s.pool_size_gb),
             "--max-upload-bytes", str(s.max_upload_bytes), "--die-with-parent",
+            "--object-store-url", s.resolved_object_store_url(),
         ]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         log.info("node.spawned", pid=self.proc.pid)
@@ -163,12 +165,13 @@ async def serve(settings: ServeSettings) -> None:
         await ensure_admin_key(store, data)
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
         nodes = NodeRegistry(store)
-        controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS)
+        objects = ObjectStore.from_url(settings.resolved_object_store_url())
+        controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
+                                objects=objects)
         await controller.sync_templates()
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes)
         await bootstrap_templates(state, settings.bootstrap_templates)
-        (data / "objects").mkdir(exist_ok=True)
 
         host, _, port = settings.listen.rpartition(":")
         server = uvicorn.Server(uvicorn.Config(

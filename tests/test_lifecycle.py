@@ -19,9 +19,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from space.errors import InvalidState
 from space.lifecycle import (
+    ACTION_TARGET,
     ACTIONS,
     FINAL,
     TRANSITIONS,
+    WAKE,
     Action,
     State,
     allowed_actions,
@@ -30,21 +32,6 @@ from space.lifecycle import (
     require,
     transition,
 )
-
-#: The state an allowed action moves the sandbox toward (None: no state change).
-ACTION_TARGET: dict[Action, State | None] = {
-    Action.EXEC: None,
-    Action.SNAPSHOT: None,
-    Action.FORK: None,  # makes another sandbox
-    # Whole-sandbox rollback goes through restoring from running, but lifecycle.py has no
-    # paused -> restoring edge while it allows rollback when paused: left unchecked here.
-    Action.ROLLBACK: None,
-    Action.PAUSE: State.PAUSED,
-    Action.RESUME: State.RUNNING,
-    Action.SUSPEND: State.SUSPENDING,
-    Action.RESTORE: State.RESTORING,
-    Action.DELETE: State.TERMINATING,
-}
 
 
 def reachable(src: State) -> set[State]:
@@ -146,3 +133,10 @@ class Lifecycle(RuleBasedStateMachine):
 
 Lifecycle.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_lifecycle_machine = Lifecycle.TestCase
+
+
+def test_wake_actions_are_allowed_and_lead_toward_running() -> None:
+    for state, action in WAKE.items():
+        assert action in ACTIONS[state]
+        target = ACTION_TARGET[action]
+        assert target is not None and State.RUNNING in reachable(target)

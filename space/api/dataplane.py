@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime as dt
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import structlog
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
 from space.api.state import AppState
-from space.errors import InvalidState, RuntimeFailure, SpaceError, Unavailable
-from space.lifecycle import Action, State, allowed_actions, require
+from space.errors import InvalidState, RuntimeFailure, SpaceError, Timeout, Unavailable, from_wire
+from space.lifecycle import WAKE, Action, State, allowed_actions, require
 from space.node.client import NodeClient
-from space.store import Sandbox
+from space.store import Operation, Sandbox
+
+log = structlog.get_logger("space.api.dataplane")
 
 
 class SandboxNode:
@@ -40,24 +46,88 @@ class SandboxNode:
     async def _translate(self, exc: RuntimeFailure) -> SpaceError:
         if not exc.details.get("sandbox_dead"):
             return exc
-        await mark_dead(self._st, self._sb.id, exc.message, self._sb.state)
-        return InvalidState(exc.message, state=State.FAILED.value, allowed=allowed_actions(State.FAILED),
-                            cause=exc.details.get("cause"))
+        cause = str(exc.details.get("cause") or "exited")
+        state = await self._st.controller.sandbox_died(self._sb.id, cause, exc.message)
+        if state == State.RESTORING:
+            return InvalidState(f"{exc.message}; it is being recovered from its latest snapshot",
+                                state=state.value, allowed=allowed_actions(state), cause=cause)
+        return InvalidState(exc.message, state=state.value, allowed=allowed_actions(state), cause=cause)
 
 
-async def mark_dead(st: AppState, sandbox_id: str, message: str, expect: str) -> None:
-    with contextlib.suppress(SpaceError):  # someone else moved it first: theirs stands
-        await st.store.set_sandbox_state(sandbox_id, State.FAILED, expect=[State(expect)],
-                                         error_code=RuntimeFailure.code, error_message=message)
+#: How long a call waits for a paused sandbox to resume / a suspended one to be restored.
+WAKE_TIMEOUT = {State.PAUSED: 60.0, State.SUSPENDED: 600.0, State.RESTORING: 600.0}
+#: Kinds of operation that end a ``restoring`` state.
+_RESTORING_OPS = ["sandbox.restore", "sandbox.rollback", "sandbox.recover"]
+#: A sandbox's last-activity time is written at most this often per sandbox (it is a hint).
+TOUCH_EVERY = 5.0
+_touched: dict[str, float] = {}
 
 
 async def running_sandbox(st: AppState, sandbox_id: str, tenant: str) -> tuple[Sandbox, SandboxNode]:
-    """The tenant's sandbox, which must be in a state that lets us talk to its guest (else 409)."""
+    """The tenant's sandbox, ready to talk to its guest: a paused one is resumed and a suspended
+    one restored first (transparently, within a deadline); other states answer 409."""
     sb = await st.store.get_sandbox(sandbox_id, tenant=tenant)
+    if sb.state in WAKE or sb.state == State.RESTORING:
+        sb = await _wake(st, sb)
     require(sb.state, Action.EXEC)
+    await _touch(st, sb.id)
     if sb.node_id is None:
         raise Unavailable(f"sandbox {sandbox_id} has no node yet")
     return sb, SandboxNode(st, sb, await st.nodes.client(sb.node_id))
+
+
+async def _wake(st: AppState, sb: Sandbox) -> Sandbox:
+    from space.api.lifecycle import enqueue_action  # the lifecycle routes import this module
+
+    state = State(sb.state)
+    deadline = time.monotonic() + WAKE_TIMEOUT[state]
+    if state == State.RESTORING:
+        ops = await st.store.find_operations(target=sb.id, status=["pending", "running"])
+        ops = [o for o in ops if o.kind in _RESTORING_OPS]
+        if not ops:
+            return sb
+        op = ops[0]
+    else:
+        action = WAKE[state]
+        kind = f"sandbox.{action.value}"
+        pending = await st.store.find_operations(target=sb.id, kind=kind, status=["pending", "running"])
+        if pending:
+            op = pending[0]
+        else:
+            request = {"snapshot": sb.snapshot_id, "node": None} if action == Action.RESTORE else {}
+            _, op = await enqueue_action(st, sb.tenant, sb.id, action, kind, {**request, "wake": True})
+    log.info("sandbox.wake", sandbox=sb.id, state=state.value, op=op.id)
+    op = await wait_operation(st, op.id, deadline)
+    if op.status == "failed":
+        raise from_wire(500, {"error": {"code": op.error_code, "message": op.error_message}})
+    if op.status != "succeeded":
+        raise Timeout(f"sandbox {sb.id} did not become running in time ({state.value})")
+    return await st.store.get_sandbox(sb.id)
+
+
+async def wait_operation(st: AppState, op_id: str, deadline: float) -> Operation:
+    """The operation once finished (or as it is at the deadline)."""
+    done = st.controller.watch(op_id)
+    try:
+        while True:
+            op = await st.store.get_operation(op_id)
+            left = deadline - time.monotonic()
+            if op.status in ("succeeded", "failed") or left <= 0:
+                return op
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=min(left, 0.25))
+    finally:
+        st.controller.unwatch(op_id, done)
+
+
+async def _touch(st: AppState, sandbox_id: str) -> None:
+    now = time.monotonic()
+    if now - _touched.get(sandbox_id, 0.0) < TOUCH_EVERY:
+        return
+    _touched[sandbox_id] = now
+    if len(_touched) > 100_000:  # a bounded hint, not a registry
+        _touched.clear()
+    await st.store.touch_sandbox(sandbox_id, dt.datetime.now(dt.UTC))
 
 
 def passthrough(resp: httpx.Response, media_type: str, headers: dict[str, str] | None = None) -> StreamingResponse:

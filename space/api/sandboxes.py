@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -18,6 +19,7 @@ from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest
 from space.lifecycle import Action, State, require
+from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.web import sse
 
@@ -36,6 +38,13 @@ class CreateSandboxBody(BaseModel):
     memory_mb: int = Field(512, ge=128, le=262144)
     env: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
+    #: Seconds without activity before the sandbox is paused / suspended (None: never).
+    idle_pause_s: int | None = Field(None, ge=1, le=365 * 86400)
+    idle_suspend_s: int | None = Field(None, ge=1, le=365 * 86400)
+    #: Maximum lifetime in seconds (None: none); the sandbox is deleted when it runs out.
+    lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    #: Snapshot schedule and retention overrides (see docs/api.md).
+    snapshot_policy: dict[str, Any] | None = None
 
 
 @router.post("/sandboxes", status_code=202)
@@ -51,10 +60,13 @@ async def create_sandbox(
     tmpl = await st.store.get_template(body.template)  # 404 for an unknown template
     if tmpl.status == "failed":
         raise InvalidRequest(f"template {body.template!r} failed to build; rebuild it first")
+    policy = SnapshotPolicy.from_dict(body.snapshot_policy).to_dict() if body.snapshot_policy else {}
     sid = ids.sandbox_id()
     sb = Sandbox(
         id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,
         cpu=body.cpu, memory_mb=body.memory_mb, env=body.env, meta=body.metadata,
+        idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
+        expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
     )
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from space.lifecycle import State, allowed_actions
-from space.store import ApiKey, Operation, Sandbox, Template
+from space.store import ApiKey, Operation, Sandbox, SandboxEvent, Snapshot, Template
 
 
 def _ts(v: datetime | None) -> str | None:
@@ -31,7 +31,38 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "terminated_at": _ts(sb.terminated_at),
         "error": {"code": sb.error_code, "message": sb.error_message} if sb.error_code else None,
         "allowed_actions": allowed_actions(State(sb.state)),
+        "idle_pause_s": sb.idle_pause_s,
+        "idle_suspend_s": sb.idle_suspend_s,
+        "expires_at": _ts(sb.expires_at),
+        "last_active_at": _ts(sb.last_active_at),
+        "snapshot_policy": sb.snapshot_policy or {},
+        "parent_id": sb.parent_id,
+        "source_snapshot": sb.source_snapshot,
+        "snapshot_id": sb.snapshot_id,
     }
+
+
+def snapshot(s: Snapshot) -> dict[str, Any]:
+    where = [w for w, here in (("node", s.node_id is not None), ("object_store", s.object_key is not None)) if here]
+    return {
+        "id": s.id,
+        "sandbox_id": s.sandbox_id,
+        "kind": s.kind,
+        "origin": s.origin,
+        "status": s.status,
+        "restorable": bool(s.restorable) and s.status == "ready",
+        "size_bytes": s.size_bytes,
+        "location": where,
+        "node_id": s.node_id,
+        "template": s.template,
+        "created_at": _ts(s.created_at),
+        "error": s.error,
+        "details": s.meta or {},
+    }
+
+
+def event(e: SandboxEvent) -> dict[str, Any]:
+    return {"id": e.id, "at": _ts(e.at), "kind": e.kind, "message": e.message, "data": e.data or {}}
 
 
 def operation(op: Operation) -> dict[str, Any]:

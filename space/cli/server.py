@@ -57,6 +57,13 @@ def node_run(
     pool_size_gb: Annotated[int, typer.Option("--pool-size-gb")] = 64,
     max_upload_bytes: Annotated[int, typer.Option("--max-upload-bytes")] = 1 << 30,
     die_with_parent: Annotated[bool, typer.Option("--die-with-parent", hidden=True)] = False,
+    object_store_url: Annotated[str | None, typer.Option(
+        "--object-store-url", envvar="SPACE_OBJECT_STORE_URL",
+        help="Directory or s3:// URL shared by the nodes (suspend/restore, templates).")] = None,
+    register: Annotated[str | None, typer.Option(
+        "--register", help="Control plane URL to register this node with (needs --listen).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding an admin API key, for --register.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a node agent."""
@@ -65,11 +72,14 @@ def node_run(
 
     if (socket is None) == (listen is None):
         raise typer.BadParameter("give exactly one of --socket or --listen")
+    if register is not None and (listen is None or api_key_file is None):
+        raise typer.BadParameter("--register needs --listen and --api-key-file")
     logs.configure(log_level)
     run(NodeSettings(
         data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
-        die_with_parent=die_with_parent,
+        die_with_parent=die_with_parent, object_store_url=object_store_url,
+        register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
     ))
 
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
 
 from space import ids
+from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.nodes import NodeRegistry
+from space.controller.policies import Policies
 from space.errors import Conflict, Internal, InvalidState, NotFound, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
+from space.objstore import ObjectStore
 from space.store import Operation, Store
 
 log = structlog.get_logger("space.controller")
@@ -30,6 +33,27 @@ Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
 MAX_ATTEMPTS = 5
 
 
+class KeyedLocks:
+    """A lock per key that exists only while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
 class Controller:
     def __init__(
         self,
@@ -38,14 +62,22 @@ class Controller:
         *,
         lease_seconds: float = 10.0,
         concurrency: int = 16,
-        reconcile_every: float = 15.0,
+        reconcile_every: float = 5.0,
+        policy_every: float = 2.0,
         template_specs: dict[str, dict[str, Any]] | None = None,
+        objects: ObjectStore | None = None,
     ) -> None:
         self.store = store
         self.nodes = nodes
         self.owner = "ctl-" + ids.token(6)
         self.lease_seconds = lease_seconds
         self.reconcile_every = reconcile_every
+        self.policy_every = policy_every
+        self.lifecycle = LifecycleOps(store, nodes, objects)
+        self.policies = Policies(store, nodes, self.lifecycle)
+        #: One operation at a time per sandbox (in this replica): a pause and a resume queued
+        #: back to back run in order.
+        self._target_locks = KeyedLocks()
         self.template_specs = template_specs or {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
@@ -56,7 +88,10 @@ class Controller:
             "sandbox.create": self._create_sandbox,
             "sandbox.delete": self._delete_sandbox,
             "template.build": self._build_template,
+            **self.lifecycle.handlers(),
         }
+        self._failure_handlers: dict[str, Callable[[Operation, SpaceError], Awaitable[None]]] = \
+            self.lifecycle.failure_handlers()
 
     def wake(self) -> None:
         """Tell the loop that a new operation is waiting (saves the poll interval)."""
@@ -83,7 +118,7 @@ class Controller:
 
     async def run(self) -> None:
         log.info("controller.started", owner=self.owner)
-        last_reconcile = 0.0
+        last_reconcile = last_policy = 0.0
         try:
             while True:
                 claimed = await self._claim_some()
@@ -94,6 +129,13 @@ class Controller:
                         await self.reconcile()
                     except SpaceError as exc:
                         log.warning("controller.reconcile_failed", error=str(exc))
+                if now - last_policy >= self.policy_every:
+                    last_policy = now
+                    try:
+                        if await self.policies.tick():
+                            claimed = True
+                    except SpaceError as exc:
+                        log.warning("controller.policies_failed", error=str(exc))
                 if not claimed:
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -128,7 +170,8 @@ class Controller:
                                                   error_message=f"unknown operation kind {op.kind}")
                 return
             try:
-                result = await handler(op)
+                async with self._target_locks.hold(op.target):
+                    result = await handler(op)
             except SpaceError as exc:
                 if exc.retryable and op.attempts < MAX_ATTEMPTS:
                     bound.warning("operation.retry", error=str(exc))
@@ -154,6 +197,7 @@ class Controller:
             self._slots.release()
             self._notify(op.id)
 
+
     async def _renew(self, op_id: str) -> None:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
@@ -162,7 +206,13 @@ class Controller:
                 return
 
     async def _on_failure(self, op: Operation, exc: SpaceError) -> None:
-        if op.kind == "sandbox.create":
+        special = self._failure_handlers.get(op.kind)
+        if special is not None:
+            try:
+                await special(op, exc)
+            except SpaceError as err:
+                log.warning("operation.failure_handler_failed", op=op.id, error=str(err))
+        elif op.kind == "sandbox.create":
             with contextlib.suppress(SpaceError):
                 await self.store.set_sandbox_state(op.target, State.FAILED, expect=[State.CREATING],
                                                    error_code=exc.code, error_message=exc.message)
@@ -224,6 +274,7 @@ class Controller:
         if sb.node_id is not None:
             node = await self.nodes.client(sb.node_id)
             await node.call("DELETE", f"/v1/sandboxes/{sb.id}")
+        await self.lifecycle.forget_artifacts(sb)
         await self.store.set_sandbox_state(sb.id, State.TERMINATED)
         return {"sandbox_id": sb.id}
 
@@ -282,15 +333,11 @@ class Controller:
                     log.info("reconcile.remove_unwanted", node=node_row.id, sandbox=sid)
                     with contextlib.suppress(SpaceError):
                         await node.call("DELETE", f"/v1/sandboxes/{sid}")
-                elif item.get("status") == "dead" and sb.state == State.RUNNING:
+                elif item.get("status") == "dead" and sb.state in (State.RUNNING, State.PAUSED):
                     cause = item.get("death") or "exited"
                     log.warning("reconcile.sandbox_died", sandbox=sid, cause=cause)
-                    why = "ran out of memory and was killed" if cause == "oom" else "its runtime instance died"
                     with contextlib.suppress(SpaceError):
-                        await self.store.set_sandbox_state(
-                            sid, State.FAILED, expect=[State.RUNNING], error_code="runtime_error",
-                            error_message=f"sandbox {sid} {why}",
-                        )
+                        await self.sandbox_died(sid, cause, f"sandbox {sid}'s runtime instance died")
             present = {item["id"] for item in live}
             for sid, sb in wanted.items():
                 if sb.state in (State.RUNNING, State.PAUSED) and sid not in present and sid not in busy:
@@ -300,6 +347,33 @@ class Controller:
                             sid, State.FAILED, expect=[sb.state], error_code="runtime_error",
                             error_message="the sandbox is gone from its node",
                         )
+
+    async def sandbox_died(self, sandbox_id: str, cause: str, message: str) -> State:
+        """A sandbox's runtime died under it. Out of memory: ``failed`` with the reason (coming back
+        would only die again). Anything else: recover it from its latest snapshot. Returns the
+        state the sandbox is in now."""
+        sb = await self.store.get_sandbox(sandbox_id)
+        if sb.state not in (State.RUNNING, State.PAUSED):
+            return State(sb.state)
+        if cause == "oom":
+            try:
+                sb = await self.store.set_sandbox_state(
+                    sandbox_id, State.FAILED, expect=[sb.state], error_code="runtime_error",
+                    error_message=f"sandbox {sandbox_id} ran out of memory (limit {sb.memory_mb} MiB) and was killed")
+            except InvalidState:
+                sb = await self.store.get_sandbox(sandbox_id)
+            return State(sb.state)
+        op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind="sandbox.recover", target=sandbox_id,
+                       status="pending", request={"cause": cause, "message": message})
+        try:
+            sb = await self.store.set_sandbox_state(sandbox_id, State.RESTORING, expect=[sb.state])
+        except InvalidState:
+            return State((await self.store.get_sandbox(sandbox_id)).state)
+        await self.store.create_operation(op)
+        await self.store.add_event(sandbox_id, sb.tenant, "crashed", f"{message} ({cause}); recovering",
+                                   {"cause": cause})
+        self.wake()
+        return State.RESTORING
 
     async def sync_templates(self) -> None:
         """Templates present on nodes become known to the control plane (e.g. a reused pool)."""

@@ -210,9 +210,10 @@ class Daemon(ProcessTable):
                 # Blocks only while the disk is behind the channel: that is the upload's backpressure.
                 up.q.put((payload, bool(h.get("eof"))))
         elif t == "req":
-            self.last_activity = time.time()
             op = h.get("op")
             rid = h.get("id")
+            if op not in _PASSIVE:
+                self.last_activity = time.time()
             if op == "fs.write":
                 with self.lock:
                     self.uploads[rid] = Upload()
@@ -292,6 +293,8 @@ def op_activity(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
 _OPS: dict[str, Callable[[Daemon, Any, Header, bytes], Header]] = {
     "hello": op_hello, "activity": op_activity, **EXEC_OPS, **FS_OPS,
 }
+#: Requests that are the platform looking, not someone using the sandbox: they do not reset idleness.
+_PASSIVE = frozenset({"hello", "activity", "list"})
 #: Answered on the reader thread: no waiting on anything but the channel itself.
 _INLINE = frozenset({"hello", "activity", "list", "signal", "resize", "forget"})
 

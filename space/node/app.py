@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from space import ids, paths
 from space.errors import InvalidRequest, NotFound, PayloadTooLarge, RuntimeFailure, SpaceError, Unauthorized
 from space.guest.protocol import MAX_PAYLOAD
+from space.node import snapshots
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
 from space.web import guest_event_to_sse, install_error_handlers, sse
@@ -67,6 +68,34 @@ class MoveRequest(BaseModel):
     dst: str
 
 
+class SnapshotRequest(BaseModel):
+    kind: str = "disk"
+    stay_paused: bool = False
+
+
+class RollbackRequest(BaseModel):
+    snapshot: str
+    #: The sandbox that owns the snapshot (default: this one).
+    source: str | None = None
+    #: A retried request with the same token is not applied twice.
+    token: str | None = None
+
+
+class RebootRequest(BaseModel):
+    token: str | None = None
+
+
+class ForkRequest(BaseModel):
+    source: str
+    snapshot: str
+
+
+class ShipRequest(BaseModel):
+    snapshot: str
+    prefix: str = Field(..., min_length=1, max_length=512)
+    token: str | None = None
+
+
 class EnsureTemplate(BaseModel):
     spec: dict[str, Any]
     force: bool = False
@@ -84,7 +113,12 @@ def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
         "created_at": sb.created_at,
         "timings": sb.timings,
         "death": sb.death,
+        "source_snapshot": sb.source_snapshot,
     }
+
+
+def snapshot_view(snap: snapshots.LocalSnapshot, size: int | None = None) -> dict[str, Any]:
+    return {**snap.public(), "size_bytes": size}
 
 
 def create_node_app(
@@ -113,6 +147,7 @@ def create_node_app(
             "id": node_id,
             "sandboxes": len(manager.list()),
             "templates": [t.name for t in await templates.list()],
+            "template_downloads": templates.downloads,
             "pool": usage,
         }
 
@@ -175,6 +210,51 @@ def create_node_app(
     async def delete_sandbox(sandbox_id: str) -> Response:
         await manager.delete(sandbox_id)
         return Response(status_code=204)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @r.post("/sandboxes/{sandbox_id}/pause")
+    async def pause(sandbox_id: str) -> dict[str, Any]:
+        return sandbox_view(await manager.pause(sandbox_id))
+
+    @r.post("/sandboxes/{sandbox_id}/resume")
+    async def resume(sandbox_id: str) -> dict[str, Any]:
+        return sandbox_view(await manager.resume(sandbox_id))
+
+    @r.get("/sandboxes/{sandbox_id}/snapshots")
+    async def list_snapshots(sandbox_id: str) -> dict[str, Any]:
+        return {"snapshots": [snapshot_view(s) for s in manager.list_snapshots(sandbox_id)]}
+
+    @r.put("/sandboxes/{sandbox_id}/snapshots/{snap_id}")
+    async def take_snapshot(sandbox_id: str, snap_id: str, body: SnapshotRequest) -> dict[str, Any]:
+        snap = await manager.take_snapshot(sandbox_id, snap_id, body.kind, stay_paused=body.stay_paused)
+        return snapshot_view(snap, await manager.snapshot_size(sandbox_id, snap_id))
+
+    @r.delete("/sandboxes/{sandbox_id}/snapshots/{snap_id}", status_code=204)
+    async def delete_snapshot(sandbox_id: str, snap_id: str) -> Response:
+        await manager.delete_snapshot(sandbox_id, snap_id)
+        return Response(status_code=204)
+
+    @r.post("/sandboxes/{sandbox_id}/rollback")
+    async def rollback(sandbox_id: str, body: RollbackRequest) -> dict[str, Any]:
+        sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source)
+        return sandbox_view(sb)
+
+    @r.post("/sandboxes/{sandbox_id}/reboot")
+    async def reboot(sandbox_id: str, body: RebootRequest) -> dict[str, Any]:
+        return sandbox_view(await manager.reboot(sandbox_id, token=body.token))
+
+    @r.post("/sandboxes/{sandbox_id}/fork")
+    async def fork(sandbox_id: str, body: ForkRequest) -> dict[str, Any]:
+        return sandbox_view(await manager.fork(sandbox_id, body.source, body.snapshot))
+
+    @r.post("/sandboxes/{sandbox_id}/suspend")
+    async def suspend(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
+        return await manager.suspend(sandbox_id, body.snapshot, body.prefix)
+
+    @r.post("/sandboxes/{sandbox_id}/restore")
+    async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
+        return sandbox_view(await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token))
 
     @r.get("/sandboxes/{sandbox_id}/activity")
     async def activity(sandbox_id: str) -> dict[str, Any]:

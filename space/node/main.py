@@ -21,6 +21,7 @@ from space.node.app import create_node_app
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
+from space.objstore import ObjectStore
 from space.runtime.gvisor import GVisorDriver
 
 log = structlog.get_logger("space.node")
@@ -47,6 +48,11 @@ class NodeSettings:
     max_upload_bytes: int = 1 << 30
     #: Die with the parent process (``space serve``); sandboxes survive in their own sessions.
     die_with_parent: bool = False
+    #: Object store for suspended sandboxes and shipped templates: a directory or an ``s3://`` URL.
+    object_store_url: str | None = None
+    #: Control plane to register with on start (multi-node), with an admin API key.
+    register_url: str | None = None
+    register_key: str | None = None
     #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
     sse_keepalive: float = dataclasses.field(
         default_factory=lambda: float(os.environ.get("SPACE_SSE_KEEPALIVE", "15")))
@@ -91,10 +97,12 @@ def _build_spawn_helper(d: Path) -> None:
 async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
-    templates = TemplateStore(pool, settings.cache_dir)
+    objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
+    templates = TemplateStore(pool, settings.cache_dir, objects=objects)
     driver = GVisorDriver(settings.data_dir / "runsc")
     manager = SandboxManager(
-        pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir)
+        pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir),
+        objects=objects,
     )
     await manager.recover()
     return pool, templates, manager
@@ -127,12 +135,34 @@ async def serve_node(settings: NodeSettings) -> None:
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
+    monitor = asyncio.create_task(manager.monitor())
+    serving = asyncio.create_task(server.serve())
     try:
-        await server.serve()
+        if settings.register_url:
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.02)
+            await register_node(settings)
+        await serving
     finally:
+        monitor.cancel()
+        await asyncio.gather(monitor, return_exceptions=True)
         await manager.close()
         if settings.socket is not None:
             settings.socket.unlink(missing_ok=True)
+
+
+async def register_node(settings: NodeSettings) -> None:
+    """Tell the control plane where this node is (idempotent: a restart registers again)."""
+    import httpx
+
+    assert settings.listen and settings.register_url
+    body = {"id": settings.node_id, "url": f"http://{settings.listen}", "token": settings.token}
+    async with httpx.AsyncClient(base_url=settings.register_url, timeout=30) as http:
+        resp = await http.post("/v1/nodes", json=body,
+                               headers={"authorization": f"Bearer {settings.register_key}"})
+    if resp.status_code >= 300:
+        raise RuntimeError(f"registering with {settings.register_url} failed: {resp.status_code} {resp.text[:300]}")
+    log.info("node.registered", node=settings.node_id, control_plane=settings.register_url)
 
 
 async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:

@@ -8,10 +8,12 @@ method is idempotent so that a control plane that crashed mid-call can simply ca
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,13 @@ from typing import Any
 import structlog
 
 from space import ids
-from space.errors import InvalidState, NotFound, RuntimeFailure, SpaceError, Unavailable
+from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
+from space.node import shipping, snapshots
+from space.node.artifacts import read_manifest
 from space.node.guest_client import GuestConnection
 from space.node.pool import Pool
 from space.node.templates import TemplateStore
+from space.objstore import ObjectStore
 from space.runtime.base import InstanceSpec, RuntimeDriver
 
 log = structlog.get_logger("space.node.sandboxes")
@@ -41,12 +46,16 @@ class LocalSandbox:
     user: str | None
     instance_id: str | None = None
     channel: str | None = None
-    #: starting | running | dead | stopping
+    #: starting | running | paused | dead | stopping
     status: str = "starting"
     created_at: float = dataclasses.field(default_factory=time.time)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Why the instance died (status "dead"): "oom", "exited" or None while alive.
     death: str | None = None
+    #: The last snapshot the root was reset to (rollback, fork, restore, recovery) and the caller's
+    #: token for that request, so that a retried request is not applied twice.
+    source_snapshot: str | None = None
+    applied: str | None = None
 
     def public(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -62,6 +71,7 @@ class SandboxManager:
         guest_dir: Path,
         channel_dir: Path,
         guest_timeout: float = 15.0,
+        objects: ObjectStore | None = None,
     ) -> None:
         self.pool = pool
         self.templates = templates
@@ -69,6 +79,7 @@ class SandboxManager:
         self.guest_dir = guest_dir
         self.channel_dir = channel_dir
         self.guest_timeout = guest_timeout
+        self.objects = objects
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._guests: dict[str, GuestConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -116,9 +127,12 @@ class SandboxManager:
             except (OSError, ValueError, TypeError):
                 log.warning("sandbox.unreadable_state", dir=str(d))
                 continue
-            if sb.instance_id and instances.get(sb.instance_id) in ("running", "created", "paused"):
+            live = instances.get(sb.instance_id) if sb.instance_id else None
+            if live in ("running", "created", "paused"):
+                assert sb.instance_id
                 known.add(sb.instance_id)
-                sb.status = "running" if sb.status != "stopping" else "stopping"
+                if sb.status != "stopping":
+                    sb.status = "paused" if live == "paused" else "running"
             elif sb.status != "stopping":
                 sb.status = "dead"
             self._sandboxes[sb.id] = sb
@@ -171,40 +185,50 @@ class SandboxManager:
             rootfs = d / "rootfs"
             if not await self.pool.is_subvolume(rootfs):
                 await self.pool.snapshot(info.path, rootfs)
-            t1 = time.perf_counter()
-            try:
-                handle = await self.driver.start(
-                    InstanceSpec(
-                        sandbox_id=sandbox_id,
-                        instance_id=sb.instance_id or "",
-                        rootfs=rootfs,
-                        workdir=self._workdir(sb),
-                        guest_dir=self.guest_dir,
-                        channel_dir=self.channel_dir,
-                        cpu=cpu,
-                        memory_mb=memory_mb,
-                        hostname=sandbox_id[:12],
-                    )
-                )
-                t2 = time.perf_counter()
-                sb.channel = str(handle.channel)
-                conn = await GuestConnection.connect(str(handle.channel), timeout=self.guest_timeout)
-                self._guests[sandbox_id] = conn
-            except BaseException:
-                sb.status = "dead"
-                self._save(sb)
-                raise
-            t3 = time.perf_counter()
-            sb.status = "running"
-            sb.timings = {
-                "snapshot_ms": round((t1 - t0) * 1000, 2),
-                "runtime_start_ms": round((t2 - t1) * 1000, 2),
-                "guest_ready_ms": round((t3 - t2) * 1000, 2),
-                "guest_boot_ms": float(conn.hello.get("boot_ms", 0.0)),
-            }
-            self._save(sb)
+            await self._boot(sb, t0=t0)
             log.info("sandbox.created", sandbox=sandbox_id, **sb.timings)
             return sb
+
+    async def _boot(self, sb: LocalSandbox, *, image: Path | None = None, t0: float | None = None) -> None:
+        """Start a new runtime instance on ``rootfs`` (cold, or from a memory image) and connect
+        to its guest. On failure the sandbox is left ``dead`` (a retry boots again)."""
+        t1 = time.perf_counter()
+        assert sb.instance_id
+        spec = InstanceSpec(
+            sandbox_id=sb.id,
+            instance_id=sb.instance_id,
+            rootfs=self._dir(sb.id) / "rootfs",
+            workdir=self._workdir(sb),
+            guest_dir=self.guest_dir,
+            channel_dir=self.channel_dir,
+            cpu=sb.cpu,
+            memory_mb=sb.memory_mb,
+            hostname=sb.id[:12],
+        )
+        try:
+            if image is None:
+                handle = await self.driver.start(spec)
+            else:
+                handle = await self.driver.restore(spec, image)
+            t2 = time.perf_counter()
+            sb.channel = str(handle.channel)
+            conn = await GuestConnection.connect(str(handle.channel), timeout=self.guest_timeout)
+            self._guests[sb.id] = conn
+        except BaseException:
+            sb.status = "dead"
+            sb.death = "boot_failed"
+            self._save(sb)
+            raise
+        t3 = time.perf_counter()
+        sb.status = "running"
+        sb.death = None
+        sb.timings = {
+            **({"snapshot_ms": round((t1 - t0) * 1000, 2)} if t0 is not None else {}),
+            ("runtime_restore_ms" if image is not None else "runtime_start_ms"): round((t2 - t1) * 1000, 2),
+            "guest_ready_ms": round((t3 - t2) * 1000, 2),
+            "guest_boot_ms": float(conn.hello.get("boot_ms", 0.0)),
+        }
+        self._save(sb)
 
     async def delete(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
@@ -292,9 +316,274 @@ class SandboxManager:
         log.warning("sandbox.died", sandbox=sb.id, instance=sb.instance_id, cause=sb.death)
         raise dead_error(sb)
 
+    async def monitor(self, every: float = 2.0) -> None:
+        """Notice dead instances without waiting for a caller: a sandbox whose guest channel is
+        gone is asked about; the control plane's reconcile then sees ``dead`` and recovers it."""
+        while True:
+            await asyncio.sleep(every)
+            for sb in list(self._sandboxes.values()):
+                if sb.status not in ("running", "paused") or self._lock(sb.id).locked():
+                    continue
+                conn = self._guests.get(sb.id)
+                if conn is not None and not conn.closed:
+                    continue
+                with contextlib.suppress(SpaceError):
+                    if sb.status == "running":
+                        await self.guest(sb.id)  # (re)connects, and finds out if the instance died
+                    else:
+                        await self.check_alive(sb, settle=1.0)
+
     async def activity(self, sandbox_id: str) -> dict[str, Any]:
         conn = await self.guest(sandbox_id)
         return await conn.request("activity")
+
+    # -- pause / resume ----------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> LocalSandbox:
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if sb.status == "paused":
+                return sb
+            self._require(sb, "running", "pause")
+            assert sb.instance_id
+            await self.driver.pause(sb.instance_id)
+            sb.status = "paused"
+            self._save(sb)
+            log.info("sandbox.paused", sandbox=sandbox_id)
+            return sb
+
+    async def resume(self, sandbox_id: str) -> LocalSandbox:
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if sb.status == "running":
+                return sb
+            self._require(sb, "paused", "resume")
+            assert sb.instance_id
+            await self.driver.resume(sb.instance_id)
+            sb.status = "running"
+            self._save(sb)
+            log.info("sandbox.resumed", sandbox=sandbox_id)
+            return sb
+
+    def _require(self, sb: LocalSandbox, status: str, what: str) -> None:
+        if sb.status == "dead":
+            raise dead_error(sb)
+        if sb.status != status:
+            raise InvalidState(f"cannot {what} sandbox {sb.id}: it is {sb.status} on its node",
+                               state=sb.status, allowed=[])
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    async def take_snapshot(self, sandbox_id: str, snap_id: str, kind: str, *,
+                            stay_paused: bool = False) -> snapshots.LocalSnapshot:
+        """A read-only snapshot of the root; ``full`` adds the memory image, taken while the guest
+        is frozen so that memory and disk agree. Idempotent by ``snap_id``."""
+        snapshots.check_kind(kind)
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            done = snapshots.read(self.pool, sandbox_id, snap_id)
+            if done is not None:
+                return done
+            if sb.status not in ("running", "paused"):
+                self._require(sb, "running", "snapshot")
+            d = snapshots.snapshot_dir(self.pool, sandbox_id, snap_id)
+            await self.pool.delete_subvolume(d)  # an interrupted attempt's leftovers
+            await snapshots.check_room(self.pool, f"a {kind} snapshot of {sandbox_id}")
+            d.mkdir(parents=True)
+            t0 = time.perf_counter()
+            freeze_ms = 0.0
+            try:
+                if kind == "disk":
+                    await self.pool.snapshot(self._dir(sandbox_id) / "rootfs", d / "rootfs", readonly=True)
+                else:
+                    assert sb.instance_id
+                    was_running = sb.status == "running"
+                    if was_running:
+                        await self.driver.pause(sb.instance_id)
+                    f0 = time.perf_counter()
+                    try:
+                        await self.pool.snapshot(self._dir(sandbox_id) / "rootfs", d / "rootfs", readonly=True)
+                        await self.driver.checkpoint(sb.instance_id, d / "checkpoint")
+                    finally:
+                        if was_running and not stay_paused:
+                            await self.driver.resume(sb.instance_id)
+                        elif was_running:
+                            sb.status = "paused"
+                            self._save(sb)
+                    freeze_ms = (time.perf_counter() - f0) * 1000
+            except BaseException:
+                await asyncio.shield(self.pool.delete_subvolume(d))
+                raise
+            snap = snapshots.LocalSnapshot(
+                id=snap_id, sandbox_id=sandbox_id, kind=kind, created_at=snapshots.now(),
+                template=sb.template, template_digest=sb.template_digest, cpu=sb.cpu,
+                memory_mb=sb.memory_mb, env=sb.env, user=sb.user,
+                image_bytes=snapshots.tree_bytes(d / "checkpoint") if kind == "full" else 0,
+                freeze_ms=round(freeze_ms, 2), took_ms=round((time.perf_counter() - t0) * 1000, 2),
+            )
+            snapshots.commit(self.pool, snap)
+            log.info("snapshot.taken", sandbox=sandbox_id, snapshot=snap_id, kind=kind,
+                     ms=snap.took_ms, freeze_ms=snap.freeze_ms)
+            return snap
+
+    async def delete_snapshot(self, sandbox_id: str, snap_id: str) -> None:
+        async with self._lock(sandbox_id):
+            await snapshots.remove(self.pool, sandbox_id, snap_id)
+
+    def list_snapshots(self, sandbox_id: str) -> builtins.list[snapshots.LocalSnapshot]:
+        return snapshots.list_local(self.pool, sandbox_id)
+
+    async def snapshot_size(self, sandbox_id: str, snap_id: str) -> int | None:
+        """Bytes the snapshot holds that nothing else shares, plus its memory image."""
+        snap = snapshots.get(self.pool, sandbox_id, snap_id)
+        own = await self.pool.exclusive_bytes(snapshots.rootfs_of(self.pool, sandbox_id, snap_id))
+        return None if own is None else own + snap.image_bytes
+
+    # -- rollback, recovery, fork ------------------------------------------------------------
+
+    async def rollback(self, sandbox_id: str, snap_id: str, *, token: str | None = None,
+                       source: str | None = None) -> LocalSandbox:
+        """Put the sandbox back to a snapshot, in place, under a new runtime instance: the files
+        (disk snapshot: processes start afresh) or the whole machine (full snapshot). Works on a
+        dead sandbox too: that is crash recovery. ``source``: the sandbox the snapshot belongs to
+        (default: this one). ``token``: a retried request with the same token is not re-applied."""
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if token is not None and sb.applied == token and sb.status == "running":
+                return sb
+            owner = source or sandbox_id
+            snap = snapshots.get(self.pool, owner, snap_id)
+            t0 = time.perf_counter()
+            await self._stop_instance(sb)
+            rootfs = self._dir(sandbox_id) / "rootfs"
+            await self.pool.delete_subvolume(rootfs)
+            await self.pool.snapshot(snapshots.rootfs_of(self.pool, owner, snap_id), rootfs)
+            sb.instance_id = ids.instance_id(sandbox_id)
+            sb.source_snapshot = snap_id
+            sb.applied = token
+            self._save(sb)
+            image = snapshots.image_of(self.pool, owner, snap_id) if snap.kind == "full" else None
+            await self._boot(sb, image=image, t0=t0)
+            log.info("sandbox.rolled_back", sandbox=sandbox_id, snapshot=snap_id, kind=snap.kind, **sb.timings)
+            return sb
+
+    async def reboot(self, sandbox_id: str, *, token: str | None = None) -> LocalSandbox:
+        """A new instance on the sandbox's current files (crash recovery without any snapshot)."""
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if token is not None and sb.applied == token and sb.status == "running":
+                return sb
+            t0 = time.perf_counter()
+            await self._stop_instance(sb)
+            sb.instance_id = ids.instance_id(sandbox_id)
+            sb.applied = token
+            self._save(sb)
+            await self._boot(sb, t0=t0)
+            log.info("sandbox.rebooted", sandbox=sandbox_id, **sb.timings)
+            return sb
+
+    async def fork(self, sandbox_id: str, source_id: str, snap_id: str) -> LocalSandbox:
+        """A new sandbox from another's snapshot: its root a snapshot of the snapshot (shared
+        extents), its memory the snapshot's image when it has one. Idempotent like create."""
+        async with self._lock(sandbox_id):
+            existing = self._sandboxes.get(sandbox_id)
+            if existing is not None and existing.status == "running":
+                return existing
+            if existing is not None:
+                await self._destroy(existing)
+            snap = snapshots.get(self.pool, source_id, snap_id)
+            t0 = time.perf_counter()
+            d = self._dir(sandbox_id)
+            d.mkdir(parents=True, exist_ok=True)
+            sb = LocalSandbox(
+                id=sandbox_id, template=snap.template, template_digest=snap.template_digest,
+                cpu=snap.cpu, memory_mb=snap.memory_mb, env=dict(snap.env), user=snap.user,
+                instance_id=ids.instance_id(sandbox_id), source_snapshot=snap_id,
+            )
+            self._sandboxes[sandbox_id] = sb
+            self._save(sb)
+            await self.pool.snapshot(snapshots.rootfs_of(self.pool, source_id, snap_id), d / "rootfs")
+            image = snapshots.image_of(self.pool, source_id, snap_id) if snap.kind == "full" else None
+            await self._boot(sb, image=image, t0=t0)
+            log.info("sandbox.forked", sandbox=sandbox_id, source=source_id, snapshot=snap_id, **sb.timings)
+            return sb
+
+    async def adopt_snapshot(self, sandbox_id: str, snap: snapshots.LocalSnapshot) -> LocalSandbox:
+        """Register a sandbox whose only content is a snapshot just brought to this node (a restore
+        from object storage); :meth:`rollback` then boots it."""
+        async with self._lock(sandbox_id):
+            existing = self._sandboxes.get(sandbox_id)
+            if existing is not None:
+                return existing
+            sb = LocalSandbox(
+                id=sandbox_id, template=snap.template, template_digest=snap.template_digest,
+                cpu=snap.cpu, memory_mb=snap.memory_mb, env=dict(snap.env), user=snap.user,
+                status="dead", death="suspended",
+            )
+            self._sandboxes[sandbox_id] = sb
+            self._save(sb)
+            return sb
+
+    # -- suspend / restore through object storage --------------------------------------------
+
+    def _objects(self) -> ObjectStore:
+        if self.objects is None:
+            raise Unavailable("this node has no object store configured")
+        return self.objects
+
+    async def suspend(self, sandbox_id: str, snap_id: str, prefix: str,
+                      on_progress: shipping.Progress | None = None) -> dict[str, Any]:
+        """Freeze, take a full snapshot and ship it (template first, then artifacts, then manifest).
+        The sandbox stays paused here: the caller evicts it once the snapshot is recorded."""
+        objects = self._objects()
+        sb = self.get(sandbox_id)
+        snap = await self.take_snapshot(sandbox_id, snap_id, "full", stay_paused=True)
+        info = await self.templates.publish(objects, sb.template, sb.template_digest, on_progress=on_progress)
+        root = self.pool.template_path(sb.template, sb.template_digest)
+        return await shipping.upload(objects, prefix, self.pool, snap, root,
+                                     {"template_spec": info.spec, "sandbox_id": sandbox_id},
+                                     on_progress=on_progress)
+
+    async def restore(self, sandbox_id: str, snap_id: str, prefix: str, *, token: str | None = None,
+                      on_progress: shipping.Progress | None = None) -> LocalSandbox:
+        """Bring a suspended sandbox back on this node: its template (materialized if missing,
+        one download shared by concurrent restores), its shipped snapshot (verified before use),
+        then a restore of its memory. On failure nothing of it is left on this node."""
+        existing = self._sandboxes.get(sandbox_id)
+        if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
+            return existing
+        objects = self._objects()
+        try:
+            manifest = await read_manifest(objects, prefix)
+            spec = manifest.meta.get("template_spec") or {}
+            if not spec:
+                raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest names no template", snapshot_id=snap_id)
+            await self.templates.ensure(spec, on_progress=on_progress)
+            snap = await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress)
+            await self.adopt_snapshot(sandbox_id, snap)
+            return await self.rollback(sandbox_id, snap_id, token=token)
+        except BaseException:
+            if sandbox_id not in self._sandboxes or self._sandboxes[sandbox_id].status != "running":
+                await asyncio.shield(self._forget_dir(sandbox_id))
+            raise
+
+    async def _forget_dir(self, sandbox_id: str) -> None:
+        sb = self._sandboxes.pop(sandbox_id, None)
+        if sb is not None and sb.instance_id:
+            await self.driver.stop(sb.instance_id, self._workdir(sb))
+        await self.pool.delete_subvolume(self._dir(sandbox_id))
+
+    async def _stop_instance(self, sb: LocalSandbox) -> None:
+        conn = self._guests.pop(sb.id, None)
+        if conn is not None:
+            await conn.close()
+        if sb.instance_id:
+            await self.driver.stop(sb.instance_id, self._workdir(sb))
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(shutil.rmtree, self._workdir(sb), True)
+        sb.status = "dead"
+        sb.channel = None
+        self._save(sb)
 
 
 

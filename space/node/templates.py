@@ -41,9 +41,10 @@ from typing import Any, Final
 
 import structlog
 
-from space.errors import RuntimeFailure, SpaceError, ValidationFailed
+from space.errors import NotFound, RuntimeFailure, SpaceError, ValidationFailed
 from space.node import privileged
 from space.node.pool import Pool, check_name, file_lock
+from space.objstore import ObjectStore
 
 log = structlog.get_logger(__name__)
 
@@ -156,11 +157,15 @@ class _Flight:
 
 
 class TemplateStore:
-    def __init__(self, pool: Pool, cache_dir: Path = DEFAULT_CACHE_DIR, *, builder: Builder | None = None):
+    def __init__(self, pool: Pool, cache_dir: Path = DEFAULT_CACHE_DIR, *, builder: Builder | None = None,
+                 objects: ObjectStore | None = None):
         self.pool = pool
         self.cache_dir = cache_dir
+        self.objects = objects
         self._builder: Builder = builder or debootstrap_builder
         self._flights: dict[str, _Flight] = {}
+        #: Template streams this process fetched from object storage (single-flight shows here).
+        self.downloads = 0
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -247,6 +252,8 @@ class TemplateStore:
                 await self.pool.delete_subvolume(final)  # a partial receive
 
         stream = self.stream_path(name, digest)
+        if not stream.exists() and not force and self.objects is not None:
+            await self._fetch(name, digest, stream, emit)
         if stream.exists() and not force:
             try:
                 return await self._receive(spec, digest, stream, emit)
@@ -256,6 +263,44 @@ class TemplateStore:
                 await self._delete(final)
                 stream.unlink(missing_ok=True)
         return await self._build(spec, digest, emit)
+
+    async def _fetch(self, name: str, digest: str, stream: Path, emit: Progress) -> None:
+        """Download the template's stream from object storage into the cache, if it is there."""
+        assert self.objects is not None
+        key = template_key(name, digest)
+        size = await self.objects.size(key)
+        if size is None:
+            return
+        await emit(f"template {name}@{digest[:16]}: downloading from object storage ({size / 1e6:.0f} MB)")
+        started = time.monotonic()
+        stream.parent.mkdir(parents=True, exist_ok=True)
+        await self.objects.get_to_file(key, stream, expected_size=size)
+        self.downloads += 1
+        log.info("template.downloaded", template=f"{name}@{digest[:16]}", bytes=size,
+                 seconds=round(time.monotonic() - started, 2))
+
+    async def publish(self, objects: ObjectStore, name: str, digest: str, *,
+                      on_progress: Progress | None = None) -> TemplateInfo:
+        """Make sure object storage holds this template's stream, so any node can materialize it."""
+        info = _read_manifest(_manifest_path(self.pool.template_path(name, digest)))
+        if info is None or info.digest != digest:
+            raise NotFound(f"template {name}@{digest[:16]} is not on this node", template=name)
+        key = template_key(name, digest)
+        if await objects.exists(key):
+            return info
+        stream = self.stream_path(name, digest)
+        lock = self.cache_dir / "locks" / f"{digest}.lock"
+        async with file_lock(lock):
+            if not stream.exists():
+                await self._export(info.path, stream, on_progress or _quiet)
+            if not stream.exists():
+                raise RuntimeFailure(f"template {name}@{digest[:16]} could not be exported for upload")
+            if not await objects.exists(key):
+                if on_progress is not None:
+                    await on_progress(f"template {name}@{digest[:16]}: uploading to object storage")
+                await objects.put_file(key, stream)
+        log.info("template.published", template=f"{name}@{digest[:16]}", key=key)
+        return info
 
     async def _receive(self, spec: dict[str, Any], digest: str, stream: Path, emit: Progress) -> TemplateInfo:
         final = self.pool.template_path(spec["name"], digest)
@@ -356,6 +401,15 @@ class TemplateStore:
         # The manifest goes first: from then on nobody treats the template as ready.
         _manifest_path(final).unlink(missing_ok=True)
         await self.pool.delete_subvolume(final)
+
+
+def template_key(name: str, digest: str) -> str:
+    """Where a template's send stream lives in object storage."""
+    return f"templates/{name}-{digest}.btrfs.zst"
+
+
+async def _quiet(line: str) -> None:
+    return None
 
 
 def _manifest_path(final: Path) -> Path:

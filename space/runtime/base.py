@@ -1,4 +1,5 @@
-"""The runtime driver interface. Nothing above it may know which driver runs a sandbox."""
+"""The runtime driver interface (prepare, start, pause, resume, checkpoint, restore, stop, guest
+channel). Nothing above it may know which driver runs a sandbox."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ class RuntimeDriver(Protocol):
 
     async def start(self, spec: InstanceSpec) -> InstanceHandle:
         """Boot the instance with the guest daemon as PID 1; return once the runtime started it."""
+
+    async def restore(self, spec: InstanceSpec, image: Path) -> InstanceHandle:
+        """Boot a new instance from a checkpoint image (memory) over ``spec.rootfs`` (the disk the
+        image was taken with); the instance id must be new."""
+
+    async def pause(self, instance_id: str) -> None:
+        """Freeze every process of the instance (no CPU), memory kept."""
+
+    async def resume(self, instance_id: str) -> None: ...
+
+    async def checkpoint(self, instance_id: str, image: Path) -> None:
+        """Write the instance's memory state to ``image``, leaving it running (or paused) as it was."""
 
     async def stop(self, instance_id: str, workdir: Path) -> None:
         """Kill and remove the instance; idempotent (an unknown instance is not an error)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from space.errors import RuntimeFailure
+from space.errors import InsufficientStorage, RuntimeFailure
 from space.node import privileged
 from space.runtime.base import InstanceHandle, InstanceSpec
 from space.runtime.oci import build_spec
@@ -52,6 +52,14 @@ class GVisorDriver:
         return res.text.splitlines()[0] if res.stdout else "unknown"
 
     async def start(self, spec: InstanceSpec) -> InstanceHandle:
+        return await self._launch(spec, "run", [])
+
+    async def restore(self, spec: InstanceSpec, image: Path) -> InstanceHandle:
+        # A restore gets the restoring process's stdio as the guest's fresh stdin/stdout pipes
+        # (RUNTIME_NOTES), so the new shim holds the channel exactly as after a cold start.
+        return await self._launch(spec, "restore", ["--image-path", str(image)])
+
+    async def _launch(self, spec: InstanceSpec, verb: str, extra: list[str]) -> InstanceHandle:
         spec.workdir.mkdir(parents=True, exist_ok=True)
         bundle = spec.workdir / "bundle"
         bundle.mkdir(exist_ok=True)
@@ -81,7 +89,7 @@ class GVisorDriver:
             guest_log = open(spec.workdir / "guest.log", "ab")  # noqa: SIM115, ASYNC230
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self._cmd("run", "--detach", "--bundle", str(bundle),
+                    *self._cmd(verb, "--detach", *extra, "--bundle", str(bundle),
                                "--pid-file", str(spec.workdir / "sandbox.pid"), spec.instance_id),
                     stdin=to_guest_r,
                     stdout=from_guest_w,
@@ -98,9 +106,34 @@ class GVisorDriver:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(shim.pid, signal.SIGTERM)
             tail = _tail(spec.workdir / "guest.log")
-            raise RuntimeFailure(f"runsc run failed (exit {rc}): {tail}", instance=spec.instance_id)
-        log.info("instance.started", instance=spec.instance_id, shim_pid=shim.pid)
+            # A failed restore can leave a half-made container behind: never leave it.
+            await privileged.run(*self._cmd("delete", "--force", spec.instance_id), check=False, timeout=60)
+            raise RuntimeFailure(f"runsc {verb} failed (exit {rc}): {tail}", instance=spec.instance_id)
+        log.info(f"instance.{'started' if verb == 'run' else 'restored'}", instance=spec.instance_id,
+                 shim_pid=shim.pid)
         return InstanceHandle(instance_id=spec.instance_id, channel=channel, shim_pid=shim.pid)
+
+    async def pause(self, instance_id: str) -> None:
+        await privileged.run(*self._cmd("pause", instance_id), timeout=60)
+
+    async def resume(self, instance_id: str) -> None:
+        await privileged.run(*self._cmd("resume", instance_id), timeout=60)
+
+    async def checkpoint(self, instance_id: str, image: Path) -> None:
+        """Save the instance's memory into ``image`` and leave it as it was (running or paused).
+
+        A failed ``--leave-running`` checkpoint leaves the sandbox alive (RUNTIME_NOTES); a plain one
+        would kill it, which is why we never use it.
+        """
+        image.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 -- one mkdir
+        try:
+            await privileged.run(*self._cmd("checkpoint", "--leave-running", "--image-path", str(image),
+                                            instance_id), timeout=1800)
+        except RuntimeFailure as exc:
+            if "no space left" in f"{exc.message} {exc.details.get('stderr', '')}".lower():
+                raise InsufficientStorage(f"no room in the pool for the memory image of {instance_id}",
+                                          instance=instance_id) from None
+            raise
 
     async def stop(self, instance_id: str, workdir: Path) -> None:
         # Killing first makes delete fast; both are idempotent for a missing container.

@@ -4,7 +4,17 @@
 returns detached rows of the models below.
 """
 
-from space.store.models import ApiKey, Node, Operation, OperationLog, Sandbox, Template
+from space.store.models import (
+    ApiKey,
+    Node,
+    Operation,
+    OperationLog,
+    Sandbox,
+    SandboxEvent,
+    Snapshot,
+    Template,
+)
 from space.store.repo import Store
 
-__all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "Store", "Template"]
+__all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "SandboxEvent", "Snapshot",
+           "Store", "Template"]

@@ -1,8 +1,8 @@
 """The control plane's tables, as typed SQLAlchemy declarative models.
 
 Rows are plain data: the store returns them detached and fully loaded, and the API layer serializes
-them. The initial migration (``migrations/versions/0001_initial.py``) must create exactly this
-schema; ``tests/store/test_store_migrations.py`` compares the two.
+them. The migrations (``migrations/versions/``) must create exactly this schema;
+``tests/store/test_store_migrations.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -42,6 +43,9 @@ NODE_STATES = ("ready", "down")
 TEMPLATE_STATUSES = ("building", "ready", "failed")
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed")
 OPERATION_FINAL = ("succeeded", "failed")
+SNAPSHOT_KINDS = ("disk", "full")
+SNAPSHOT_ORIGINS = ("manual", "schedule", "suspend", "fork", "recovery")
+SNAPSHOT_STATUSES = ("creating", "ready", "failed", "deleted")
 
 
 def utcnow() -> dt.datetime:
@@ -154,6 +158,21 @@ class Sandbox(Base):
     terminated_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     #: Bumped by every update, so that a reader can tell whether what it saw is still current.
     generation: Mapped[int] = mapped_column(Integer, default=1)
+    #: Seconds without activity before the idle policy pauses / suspends it (None: never).
+    idle_pause_s: Mapped[int | None] = mapped_column(Integer)
+    idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
+    #: End of its maximum lifetime (None: unbounded).
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: Per-sandbox snapshot schedule/retention overrides; interpreted by the scheduler, not here.
+    snapshot_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: Only moves forward (``Store.touch_sandbox``), so late activity reports cannot rewind it.
+    last_active_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: The sandbox this one was forked from.
+    parent_id: Mapped[str | None] = mapped_column(String(64))
+    #: The snapshot this one was forked or restored from.
+    source_snapshot: Mapped[str | None] = mapped_column(String(64))
+    #: While suspended: the snapshot that holds its state (so it must not be deleted).
+    snapshot_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class Operation(Base):
@@ -192,3 +211,51 @@ class OperationLog(Base):
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     line: Mapped[str] = mapped_column(Text)
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Snapshot(Base):
+    """A disk snapshot or a full checkpoint of a sandbox.
+
+    Rows are never deleted (status ``deleted`` keeps the audit trail). ``node_id`` names the node
+    with a local copy (None once evicted); ``object_key`` is set once the upload completed, and
+    only then may ``restorable`` become true.
+    """
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    sandbox_id: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(8))
+    origin: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="creating")
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    object_key: Mapped[str | None] = mapped_column(String(512))
+    restorable: Mapped[bool] = mapped_column(Boolean, default=False)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    template: Mapped[str] = mapped_column(String(128))
+    template_digest: Mapped[str | None] = mapped_column(String(128))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+# A sandbox's snapshots newest first (latest_snapshot, listings); also serves lookups by sandbox.
+Index("ix_snapshots_sandbox_id_created_at", Snapshot.sandbox_id, Snapshot.created_at)
+
+
+class SandboxEvent(Base):
+    """Something that happened to a sandbox (crash, recovery, idle pause...), for its timeline."""
+
+    __tablename__ = "sandbox_events"
+    # AUTOINCREMENT: ids are never reused, so ``after=<last id seen>`` stays a valid cursor.
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sandbox_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

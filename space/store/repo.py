@@ -22,7 +22,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Self, TypeVar, cast
 
 import structlog
@@ -39,6 +39,9 @@ from space.store.models import (
     API_KEY_ROLES,
     NODE_STATES,
     OPERATION_FINAL,
+    SNAPSHOT_KINDS,
+    SNAPSHOT_ORIGINS,
+    SNAPSHOT_STATUSES,
     TEMPLATE_STATUSES,
     ApiKey,
     Base,
@@ -46,6 +49,8 @@ from space.store.models import (
     Operation,
     OperationLog,
     Sandbox,
+    SandboxEvent,
+    Snapshot,
     Template,
     utcnow,
 )
@@ -58,8 +63,18 @@ _T = TypeVar("_T")
 #: Sandbox columns a caller may change besides the state.
 SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
-     "error_code", "error_message"}
+     "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
+     "snapshot_policy", "last_active_at", "parent_id", "source_snapshot", "snapshot_id"}
 )
+
+#: Snapshot columns ``update_snapshot`` may change (identity, owner and origin are fixed).
+SNAPSHOT_FIELDS = frozenset(
+    {"status", "node_id", "object_key", "restorable", "size_bytes", "template_digest", "meta",
+     "error"}
+)
+
+#: Operation statuses in which an operation may still use what its request names.
+OPERATION_ACTIVE = ("pending", "running")
 
 API_KEY_PREFIX = "sk_"
 
@@ -292,18 +307,13 @@ class Store:
         With ``op.idempotency_key`` set and already used by the tenant, nothing is written and the
         existing pair comes back with ``False``.
         """
-        if sandbox.tenant != op.tenant:
-            raise InvalidRequest("the sandbox and its operation must belong to the same tenant")
+        _same_tenant(op, sandbox, "sandbox")
         if op.target is None:
             op.target = sandbox.id
         now = utcnow()
         _prepare_sandbox(sandbox, now)
-        _prepare_operation(op, now)
 
-        async def existing(s: AsyncSession) -> tuple[Sandbox, Operation, bool] | None:
-            prior = await self._find_idempotent(s, op)
-            if prior is None:
-                return None
+        async def replay(s: AsyncSession, prior: Operation) -> tuple[Sandbox, Operation, bool]:
             sb = await s.get(Sandbox, prior.target)
             if sb is None:
                 raise Conflict(
@@ -311,11 +321,50 @@ class Store:
                 )
             return sb, prior, False
 
-        def insert(s: AsyncSession) -> tuple[Sandbox, Operation, bool]:
-            s.add_all([sandbox, op])
-            return sandbox, op, True
+        return await self._create_with_op(op, [sandbox], replay, (sandbox, op, True), now)
 
-        return await self._idempotent_create(op, existing, insert)
+    async def create_sandboxes(
+        self, sandboxes: list[Sandbox], op: Operation, snapshot: Snapshot | None = None
+    ) -> tuple[list[Sandbox], Operation, bool]:
+        """Insert several sandboxes (a fork), the snapshot they start from if it is new, and the
+        operation, atomically.
+
+        The sandbox ids go into ``op.request["sandbox_ids"]`` (in order); a replay with the same
+        idempotency key returns those sandboxes, the existing operation and ``False``. The
+        operation's ``target`` defaults to the first sandbox's parent (or the sandbox itself).
+        """
+        if not sandboxes:
+            raise InvalidRequest("create_sandboxes needs at least one sandbox")
+        for sb in sandboxes:
+            _same_tenant(op, sb, "sandbox")
+        sandbox_ids = [sb.id for sb in sandboxes]
+        if len(set(sandbox_ids)) != len(sandbox_ids):
+            raise InvalidRequest("create_sandboxes got the same sandbox id twice")
+        _link_request(op, "sandbox_ids", sandbox_ids)
+        if op.target is None:
+            op.target = sandboxes[0].parent_id or sandboxes[0].id
+        now = utcnow()
+        for sb in sandboxes:
+            _prepare_sandbox(sb, now)
+        rows: list[Base] = list(sandboxes)
+        if snapshot is not None:
+            _same_tenant(op, snapshot, "snapshot")
+            _prepare_snapshot(snapshot, now)
+            rows.append(snapshot)
+
+        async def replay(s: AsyncSession, prior: Operation) -> tuple[list[Sandbox], Operation, bool]:
+            wanted = prior.request.get("sandbox_ids")
+            if not isinstance(wanted, list) or not wanted:
+                raise Conflict(
+                    f"idempotency key {op.idempotency_key!r} was used for a request without sandboxes"
+                )
+            found = {sb.id: sb for sb in await s.scalars(select(Sandbox).where(Sandbox.id.in_(wanted)))}
+            missing = [sid for sid in wanted if sid not in found]
+            if missing:
+                raise Conflict(f"operation {prior.id} names sandboxes that do not exist: {missing}")
+            return [found[sid] for sid in wanted], prior, False
+
+        return await self._create_with_op(op, rows, replay, (list(sandboxes), op, True), now)
 
     async def get_sandbox(self, sandbox_id: str, tenant: str | None = None) -> Sandbox:
         """A sandbox; another tenant's is NotFound, exactly like a missing one."""
@@ -388,6 +437,188 @@ class Store:
             sb.updated_at = utcnow()
             return sb
 
+    async def touch_sandbox(self, sandbox_id: str, at: dt.datetime) -> None:
+        """Record activity at ``at``; an older report than the one stored changes nothing.
+
+        Neither the generation nor ``updated_at`` moves: activity is not a change of the sandbox,
+        and bumping would make every watcher re-read it. An unknown id is silently ignored.
+        """
+        _require_aware(at, "at")
+        async with self._tx() as s:
+            await s.execute(
+                update(Sandbox)
+                .where(
+                    Sandbox.id == sandbox_id,
+                    or_(Sandbox.last_active_at.is_(None), Sandbox.last_active_at < at),
+                )
+                .values(last_active_at=at)
+                .execution_options(synchronize_session=False)
+            )
+
+    # ---- snapshots ------------------------------------------------------------------------------
+
+    async def create_snapshot(
+        self, snap: Snapshot, op: Operation | None = None
+    ) -> tuple[Snapshot, Operation | None, bool]:
+        """Insert a snapshot row and, if given, the operation that takes it, atomically.
+
+        The operation's ``request["snapshot"]`` names the snapshot (set here when absent), which
+        also makes :meth:`snapshot_in_use` true while it is pending or running; its ``target``
+        defaults to the sandbox. A replayed idempotency key returns the existing pair and False.
+        """
+        now = utcnow()
+        _prepare_snapshot(snap, now)
+        if op is None:
+            async with self._tx() as s:
+                s.add(snap)
+            return snap, None, True
+        _same_tenant(op, snap, "snapshot")
+        _link_request(op, "snapshot", snap.id)
+        if op.target is None:
+            op.target = snap.sandbox_id
+
+        async def replay(s: AsyncSession, prior: Operation) -> tuple[Snapshot, Operation | None, bool]:
+            found = None
+            snapshot_id = prior.request.get("snapshot")
+            if isinstance(snapshot_id, str):
+                found = await s.get(Snapshot, snapshot_id)
+            if found is None:
+                raise Conflict(
+                    f"idempotency key {op.idempotency_key!r} was used for a request without a snapshot"
+                )
+            return found, prior, False
+
+        return await self._create_with_op(op, [snap], replay, (snap, op, True), now)
+
+    async def get_snapshot(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
+        """A snapshot; another tenant's is NotFound, exactly like a missing one."""
+        async with self._tx(write=False) as s:
+            snap = await s.get(Snapshot, snapshot_id)
+        if snap is None or (tenant is not None and snap.tenant != tenant):
+            raise NotFound(f"snapshot {snapshot_id} not found")
+        return snap
+
+    async def list_snapshots(
+        self,
+        *,
+        sandbox_id: str | None = None,
+        tenant: str | None = None,
+        kinds: Sequence[str] | None = None,
+        statuses: Sequence[str] | None = None,
+        node_id: str | None = None,
+        restorable: bool | None = None,
+    ) -> list[Snapshot]:
+        """Snapshots, oldest first; every filter left None matches everything."""
+        q = select(Snapshot).order_by(Snapshot.created_at, Snapshot.id)
+        if sandbox_id is not None:
+            q = q.where(Snapshot.sandbox_id == sandbox_id)
+        if tenant is not None:
+            q = q.where(Snapshot.tenant == tenant)
+        if kinds is not None:
+            q = q.where(Snapshot.kind.in_(list(kinds)))
+        if statuses is not None:
+            q = q.where(Snapshot.status.in_(list(statuses)))
+        if node_id is not None:
+            q = q.where(Snapshot.node_id == node_id)
+        if restorable is not None:
+            q = q.where(Snapshot.restorable.is_(restorable))
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def update_snapshot(self, snapshot_id: str, **fields: Any) -> Snapshot:
+        """Change the columns in ``SNAPSHOT_FIELDS``; ``updated_at`` moves."""
+        bad = sorted(set(fields) - SNAPSHOT_FIELDS)
+        if bad:
+            raise InvalidRequest(f"cannot set snapshot field(s) {', '.join(bad)}")
+        if "status" in fields:
+            _check_choice("snapshot status", fields["status"], SNAPSHOT_STATUSES)
+        async with self._tx() as s:
+            snap = await self._get(s, Snapshot, snapshot_id, "snapshot", lock=True)
+            for name, value in fields.items():
+                setattr(snap, name, value)
+            snap.updated_at = utcnow()
+            return snap
+
+    async def latest_snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        kind: str | None = None,
+        restorable: bool | None = True,
+        node_id: str | None = None,
+    ) -> Snapshot | None:
+        """The newest ready snapshot of a sandbox, or None.
+
+        ``restorable`` filters exactly like in :meth:`list_snapshots`: True only uploaded ones,
+        False only not-yet-uploaded ones, None either.
+        """
+        q = (
+            select(Snapshot)
+            .where(Snapshot.sandbox_id == sandbox_id, Snapshot.status == "ready")
+            .order_by(Snapshot.created_at.desc(), Snapshot.id.desc())
+            .limit(1)
+        )
+        if kind is not None:
+            q = q.where(Snapshot.kind == kind)
+        if restorable is not None:
+            q = q.where(Snapshot.restorable.is_(restorable))
+        if node_id is not None:
+            q = q.where(Snapshot.node_id == node_id)
+        async with self._tx(write=False) as s:
+            return await s.scalar(q)
+
+    async def delete_snapshot_row(self, snapshot_id: str) -> Snapshot:
+        """Mark a snapshot deleted; the row stays, for the audit trail."""
+        return await self.update_snapshot(snapshot_id, status="deleted")
+
+    async def snapshot_in_use(self, snapshot_id: str) -> bool:
+        """Whether deleting the snapshot now would break something: a pending or running
+        operation names it (``request["snapshot"]`` or in ``request["snapshots"]``), or a sandbox
+        that is not terminated keeps its suspended state in it (``Sandbox.snapshot_id``)."""
+        async with self._tx(write=False) as s:
+            holder = await s.scalar(
+                select(Sandbox.id)
+                .where(Sandbox.snapshot_id == snapshot_id, Sandbox.state != State.TERMINATED)
+                .limit(1)
+            )
+            if holder is not None:
+                return True
+            # Active operations are few, and JSON containment differs per dialect: test in Python.
+            requests = await s.scalars(
+                select(Operation.request).where(Operation.status.in_(OPERATION_ACTIVE))
+            )
+            return any(_request_names_snapshot(req, snapshot_id) for req in requests)
+
+    # ---- events ---------------------------------------------------------------------------------
+
+    async def add_event(
+        self,
+        sandbox_id: str,
+        tenant: str,
+        kind: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+    ) -> SandboxEvent:
+        ev = SandboxEvent(sandbox_id=sandbox_id, tenant=tenant, at=utcnow(), kind=kind,
+                          message=message, data=dict(data or {}))
+        async with self._tx() as s:
+            s.add(ev)
+            await s.flush()  # assigns the id
+        return ev
+
+    async def list_events(
+        self, sandbox_id: str, *, after: int = 0, limit: int = 1000
+    ) -> list[SandboxEvent]:
+        """Events with ``id > after``, oldest first, at most ``limit``."""
+        q = (
+            select(SandboxEvent)
+            .where(SandboxEvent.sandbox_id == sandbox_id, SandboxEvent.id > after)
+            .order_by(SandboxEvent.id)
+            .limit(limit)
+        )
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
     # ---- operations -----------------------------------------------------------------------------
 
     async def create_operation(self, op: Operation) -> tuple[Operation, bool]:
@@ -418,6 +649,28 @@ class Store:
                 operation_id=prior.id,
             )
         return prior
+
+    async def _create_with_op(
+        self,
+        op: Operation,
+        rows: Sequence[Base],
+        replay: Callable[[AsyncSession, Operation], Awaitable[_T]],
+        created: _T,
+        now: dt.datetime | None = None,
+    ) -> _T:
+        """Insert ``rows`` and ``op`` in one transaction, or, when the op's idempotency key was
+        used before, return what ``replay`` makes of the earlier operation."""
+        _prepare_operation(op, now or utcnow())
+
+        async def existing(s: AsyncSession) -> _T | None:
+            prior = await self._find_idempotent(s, op)
+            return None if prior is None else await replay(s, prior)
+
+        def insert(s: AsyncSession) -> _T:
+            s.add_all([*rows, op])
+            return created
+
+        return await self._idempotent_create(op, existing, insert)
 
     async def _idempotent_create(
         self,
@@ -616,13 +869,58 @@ def _check_sandbox_fields(fields: Iterable[str]) -> None:
         raise InvalidRequest(f"cannot set sandbox field(s) {', '.join(bad)}")
 
 
+def _check_choice(what: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise InvalidRequest(f"invalid {what} {value!r}: must be one of {', '.join(allowed)}")
+
+
+def _require_aware(value: dt.datetime, what: str) -> None:
+    if value.tzinfo is None:
+        raise InvalidRequest(f"{what} must be a timezone-aware datetime, got {value!r}")
+
+
+def _same_tenant(op: Operation, row: Sandbox | Snapshot, what: str) -> None:
+    if row.tenant != op.tenant:
+        raise InvalidRequest(f"the {what} and its operation must belong to the same tenant")
+
+
+def _link_request(op: Operation, key: str, value: Any) -> None:
+    """Record in the operation's request what it creates, so that a replay can find it."""
+    request = dict(op.request or {})
+    if key in request and request[key] != value:
+        raise InvalidRequest(f"operation request has {key}={request[key]!r}, expected {value!r}")
+    request[key] = value
+    op.request = request
+
+
+def _request_names_snapshot(request: dict[str, Any] | None, snapshot_id: str) -> bool:
+    if not isinstance(request, dict):
+        return False
+    if request.get("snapshot") == snapshot_id:
+        return True
+    many = request.get("snapshots")
+    return isinstance(many, list) and snapshot_id in many
+
+
 def _prepare_sandbox(sb: Sandbox, now: dt.datetime) -> None:
     sb.state = State(sb.state or State.CREATING)
     sb.env = dict(sb.env or {})
     sb.meta = dict(sb.meta or {})
+    sb.snapshot_policy = dict(sb.snapshot_policy or {})
     sb.generation = sb.generation or 1
     sb.created_at = sb.created_at or now
     sb.updated_at = sb.updated_at or now
+
+
+def _prepare_snapshot(snap: Snapshot, now: dt.datetime) -> None:
+    snap.status = snap.status or "creating"
+    _check_choice("snapshot kind", snap.kind, SNAPSHOT_KINDS)
+    _check_choice("snapshot origin", snap.origin, SNAPSHOT_ORIGINS)
+    _check_choice("snapshot status", snap.status, SNAPSHOT_STATUSES)
+    snap.restorable = bool(snap.restorable)
+    snap.meta = dict(snap.meta or {})
+    snap.created_at = snap.created_at or now
+    snap.updated_at = snap.updated_at or now
 
 
 def _prepare_operation(op: Operation, now: dt.datetime) -> None:

@@ -9,7 +9,7 @@ from sqlalchemy import update
 
 from space import ids
 from space.lifecycle import State
-from space.store import Operation, Sandbox, Store
+from space.store import Operation, Sandbox, Snapshot, Store
 
 
 def new_sandbox(tenant: str = "acme", **kw: Any) -> Sandbox:
@@ -30,3 +30,10 @@ async def expire_lease(store: Store, op_id: str) -> None:
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     async with store._sessionmaker() as s, s.begin():
         await s.execute(update(Operation).where(Operation.id == op_id).values(lease_expires_at=past))
+
+
+def new_snapshot(sandbox_id: str, tenant: str = "acme", **kw: Any) -> Snapshot:
+    fields: dict[str, Any] = {"id": ids.snapshot_id(), "tenant": tenant, "sandbox_id": sandbox_id,
+                              "kind": "disk", "origin": "manual", "template": "base"}
+    fields.update(kw)
+    return Snapshot(**fields)

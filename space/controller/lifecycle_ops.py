@@ -1,0 +1,368 @@
+"""Operation handlers for the stateful lifecycle: pause, resume, snapshots, suspend, restore,
+rollback, fork and crash recovery.
+
+Every handler is idempotent (a crashed controller's operation is run again by the next claim): it
+reads the rows, skips what is already done and asks the node, whose calls are idempotent too.
+State changes go through :func:`space.lifecycle.transition` inside the store (``expect`` guards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import structlog
+
+from space.controller.nodes import NodeRegistry
+from space.errors import Conflict, InvalidState, NotFound, SnapshotCorrupt, SpaceError
+from space.lifecycle import State
+from space.node.client import NodeClient
+from space.objstore import ObjectStore
+from space.store import Operation, Sandbox, Snapshot, Store
+
+log = structlog.get_logger("space.controller.lifecycle")
+
+#: Node calls that move memory images and file system deltas get long deadlines.
+LONG = 3600.0
+
+
+def object_prefix(sb: Sandbox, snapshot_id: str) -> str:
+    return f"tenants/{sb.tenant}/sandboxes/{sb.id}/snapshots/{snapshot_id}"
+
+
+def sandbox_prefix(sb: Sandbox) -> str:
+    return f"tenants/{sb.tenant}/sandboxes/{sb.id}/"
+
+
+class LifecycleOps:
+    def __init__(self, store: Store, nodes: NodeRegistry, objects: ObjectStore | None) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.objects = objects
+
+    def handlers(self) -> dict[str, Any]:
+        return {
+            "sandbox.pause": self.pause,
+            "sandbox.resume": self.resume,
+            "snapshot.create": self.create_snapshot,
+            "snapshot.delete": self.delete_snapshot,
+            "sandbox.suspend": self.suspend,
+            "sandbox.restore": self.restore,
+            "sandbox.rollback": self.rollback,
+            "sandbox.recover": self.recover,
+            "sandbox.fork": self.fork,
+        }
+
+    async def _node_of(self, sb: Sandbox) -> NodeClient:
+        if sb.node_id is None:
+            raise InvalidState(f"sandbox {sb.id} is on no node", state=str(sb.state), allowed=[])
+        return await self.nodes.client(sb.node_id)
+
+    async def event(self, sb: Sandbox, what: str, message: str, **data: Any) -> None:
+        await self.store.add_event(sb.id, sb.tenant, what, message, data)
+        log.info("sandbox.event", sandbox=sb.id, what=what, message=message)
+
+    # -- pause / resume ------------------------------------------------------------------------
+
+    async def pause(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.PAUSED:
+            if sb.state != State.RUNNING:
+                raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+            node = await self._node_of(sb)
+            await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
+            sb = await self.store.set_sandbox_state(sb.id, State.PAUSED, expect=[State.RUNNING])
+            why = "idle" if op.request.get("idle") else "request"
+            await self.event(sb, "paused", f"paused ({why})", reason=why)
+        return {"sandbox_id": sb.id, "state": str(sb.state)}
+
+    async def resume(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.RUNNING:
+            if sb.state != State.PAUSED:
+                raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+            node = await self._node_of(sb)
+            await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
+            sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.PAUSED])
+            await self.event(sb, "resumed", "resumed" + (" by a call that needed it" if op.request.get("wake") else ""))
+        await self.store.touch_sandbox(sb.id, _now())
+        return {"sandbox_id": sb.id, "state": str(sb.state)}
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    async def _take(self, sb: Sandbox, snap: Snapshot) -> Snapshot:
+        """Take ``snap`` on the sandbox's node and record it ready (idempotent)."""
+        if snap.status == "ready":
+            return snap
+        if sb.state not in (State.RUNNING, State.PAUSED):
+            raise InvalidState(f"cannot snapshot a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+        node = await self._node_of(sb)
+        info = await node.call("PUT", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}",
+                               json_body={"kind": snap.kind}, timeout=LONG)
+        return await self.store.update_snapshot(
+            snap.id, status="ready", restorable=True, node_id=sb.node_id, size_bytes=info.get("size_bytes"),
+            meta={k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")},
+        )
+
+    async def create_snapshot(self, op: Operation) -> dict[str, Any]:
+        snap = await self.store.get_snapshot(op.request["snapshot"])
+        sb = await self.store.get_sandbox(op.target)
+        snap = await self._take(sb, snap)
+        return {"snapshot": snap.id, "kind": snap.kind, "size_bytes": snap.size_bytes}
+
+    async def delete_snapshot(self, op: Operation) -> dict[str, Any]:
+        snap = await self.store.get_snapshot(op.request["snapshot"])
+        await self.remove_snapshot(snap)
+        return {"snapshot": snap.id}
+
+    async def remove_snapshot(self, snap: Snapshot) -> None:
+        if snap.status == "deleted":
+            return
+        if snap.node_id is not None:
+            with contextlib.suppress(NotFound):
+                node = await self.nodes.client(snap.node_id)
+                await node.call("DELETE", f"/v1/sandboxes/{snap.sandbox_id}/snapshots/{snap.id}")
+        if snap.object_key is not None and self.objects is not None:
+            await self.objects.delete_prefix(snap.object_key + "/")
+        await self.store.delete_snapshot_row(snap.id)
+
+    # -- suspend / restore ---------------------------------------------------------------------
+
+    async def suspend(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        snap_id = str(op.request["snapshot"])
+        if sb.state == State.SUSPENDED:
+            return {"sandbox_id": sb.id, "snapshot": snap_id}
+        if sb.state != State.SUSPENDING:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}, not suspending", state=str(sb.state))
+        node = await self._node_of(sb)
+        prefix = object_prefix(sb, snap_id)
+        res = await node.call("POST", f"/v1/sandboxes/{sb.id}/suspend",
+                              json_body={"snapshot": snap_id, "prefix": prefix}, timeout=LONG)
+        # Restorable only now: every artifact and the manifest are in object storage.
+        await self.store.update_snapshot(snap_id, status="ready", restorable=True, object_key=prefix,
+                                         node_id=None, size_bytes=res.get("bytes"),
+                                         meta={"uploaded_bytes": res.get("bytes"), "artifacts": res.get("artifacts")})
+        for other in await self.store.list_snapshots(sandbox_id=sb.id, node_id=sb.node_id,
+                                                     statuses=["creating", "ready"]):
+            if other.id != snap_id and other.object_key is None:
+                await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
+                                                 error="evicted from its node when the sandbox was suspended")
+        old_node = sb.node_id
+        sb = await self.store.set_sandbox_state(sb.id, State.SUSPENDED, expect=[State.SUSPENDING],
+                                                node_id=None, instance_id=None, snapshot_id=snap_id)
+        await self.event(sb, "suspended", f"suspended to object storage as snapshot {snap_id} "
+                         f"({(res.get('bytes') or 0) / 1e6:.1f} MB uploaded)", snapshot=snap_id, node=old_node,
+                         reason="idle" if op.request.get("idle") else "request")
+        # Only now may the node's copy go; if this fails, reconcile removes it (nobody wants it).
+        with contextlib.suppress(SpaceError):
+            await node.call("DELETE", f"/v1/sandboxes/{sb.id}")
+        return {"sandbox_id": sb.id, "snapshot": snap_id, "uploaded_bytes": res.get("bytes")}
+
+    async def suspend_failed(self, op: Operation, exc: SpaceError) -> None:
+        """Put the sandbox back as it was: a failed suspend loses nothing."""
+        snap_id = op.request.get("snapshot")
+        if snap_id:
+            with contextlib.suppress(SpaceError):
+                await self.store.update_snapshot(str(snap_id), status="failed", restorable=False, error=exc.message)
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.SUSPENDING:
+            return
+        back = State.PAUSED  # the suspend froze it; paused is the truth unless it resumes
+        if op.request.get("from_state") == State.RUNNING.value:
+            with contextlib.suppress(SpaceError):
+                node = await self._node_of(sb)
+                await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
+                back = State.RUNNING
+        sb = await self.store.set_sandbox_state(sb.id, back, expect=[State.SUSPENDING])
+        await self.event(sb, "suspend_failed", f"suspend failed, the sandbox is {back.value} again: {exc.message}")
+
+    async def restore(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.RUNNING:
+            return {"sandbox_id": sb.id, "node_id": sb.node_id}
+        if sb.state != State.RESTORING:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}, not restoring", state=str(sb.state))
+        snap_id = sb.snapshot_id or op.request.get("snapshot")
+        if not snap_id:
+            raise SnapshotCorrupt(f"sandbox {sb.id} has no snapshot to restore from")
+        snap = await self.store.get_snapshot(str(snap_id))
+        if not snap.restorable or snap.object_key is None:
+            raise SnapshotCorrupt(f"snapshot {snap.id} was never completely uploaded; it cannot be restored",
+                                  snapshot_id=snap.id)
+        if sb.node_id is not None:
+            node = await self.nodes.client(sb.node_id)
+        elif op.request.get("node"):
+            node = await self.nodes.client(str(op.request["node"]))
+        else:
+            node = await self.nodes.schedule()
+        # Placement is recorded first, so that a retry goes to the same node.
+        sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
+        info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",
+                               json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id},
+                               timeout=LONG)
+        await self.store.update_snapshot(snap.id, node_id=node.node_id)
+        sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
+                                                instance_id=info.get("instance_id"), snapshot_id=None)
+        await self.store.touch_sandbox(sb.id, _now())
+        await self.event(sb, "restored", f"restored from snapshot {snap.id} on node {node.node_id}",
+                         snapshot=snap.id, node=node.node_id, timings=info.get("timings"))
+        return {"sandbox_id": sb.id, "node_id": node.node_id, "timings": info.get("timings", {})}
+
+    async def restore_failed(self, op: Operation, exc: SpaceError) -> None:
+        """A restore that fails leaves the sandbox suspended, with the reason."""
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.RESTORING:
+            return
+        sb = await self.store.set_sandbox_state(sb.id, State.SUSPENDED, expect=[State.RESTORING], node_id=None,
+                                                error_code=exc.code, error_message=exc.message)
+        await self.event(sb, "restore_failed", f"restore failed, the sandbox stays suspended: {exc.message}")
+
+    # -- rollback and crash recovery -----------------------------------------------------------
+
+    async def rollback(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        snap = await self.store.get_snapshot(str(op.request["snapshot"]))
+        if sb.state == State.RUNNING and op.attempts > 1:
+            return {"sandbox_id": sb.id, "snapshot": snap.id}
+        if sb.state != State.RESTORING:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}, not restoring", state=str(sb.state))
+        info = await self._reset(sb, snap, op)
+        sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
+                                                instance_id=info.get("instance_id"))
+        what = "files and processes" if snap.kind == "full" else "files (processes started afresh)"
+        await self.event(sb, "rolled_back", f"rolled back to {snap.kind} snapshot {snap.id}: {what}",
+                         snapshot=snap.id, snapshot_kind=snap.kind)
+        return {"sandbox_id": sb.id, "snapshot": snap.id, "timings": info.get("timings", {})}
+
+    async def _reset(self, sb: Sandbox, snap: Snapshot, op: Operation) -> dict[str, Any]:
+        node = await self._node_of(sb)
+        if snap.node_id != sb.node_id:
+            raise Conflict(f"snapshot {snap.id} is not on node {sb.node_id}")
+        result: dict[str, Any] = await node.call(
+            "POST", f"/v1/sandboxes/{sb.id}/rollback",
+            json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id}, timeout=LONG)
+        return result
+
+    async def rollback_failed(self, op: Operation, exc: SpaceError) -> None:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.RESTORING:
+            await self.store.set_sandbox_state(sb.id, State.FAILED, expect=[State.RESTORING],
+                                               error_code=exc.code, error_message=exc.message)
+
+    async def recover(self, op: Operation) -> dict[str, Any]:
+        """A sandbox whose runtime died comes back from its latest full checkpoint (processes and
+        all), else from its latest disk snapshot, else from its current files; the event says which."""
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.RUNNING and op.attempts > 1:
+            return {"sandbox_id": sb.id}
+        if sb.state != State.RESTORING:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}, not restoring", state=str(sb.state))
+        cause = str(op.request.get("cause") or "exited")
+        full = await self.store.latest_snapshot(sb.id, kind="full", node_id=sb.node_id)
+        disk = await self.store.latest_snapshot(sb.id, kind="disk", node_id=sb.node_id)
+        snap = full or disk
+        if snap is not None:
+            info = await self._reset(sb, snap, op)
+            if snap.kind == "full":
+                how = (f"restored from its full checkpoint {snap.id} of {snap.created_at:%Y-%m-%d %H:%M:%S} UTC "
+                       "(memory and files; work after it is lost)")
+            else:
+                how = (f"booted from its disk snapshot {snap.id} of {snap.created_at:%Y-%m-%d %H:%M:%S} UTC: "
+                       "no full checkpoint, so its processes were restarted")
+        else:
+            node = await self._node_of(sb)
+            info = await node.call("POST", f"/v1/sandboxes/{sb.id}/reboot", json_body={"token": op.id},
+                                   timeout=LONG)
+            how = "booted from its current files: it had no snapshot, so its processes were restarted"
+        sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
+                                                instance_id=info.get("instance_id"))
+        await self.event(sb, "recovered", f"its runtime died ({cause}); {how}", cause=cause,
+                         snapshot=snap.id if snap else None, snapshot_kind=snap.kind if snap else None)
+        return {"sandbox_id": sb.id, "snapshot": snap.id if snap else None}
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    async def fork(self, op: Operation) -> dict[str, Any]:
+        src = await self.store.get_sandbox(op.target)
+        snap = await self.store.get_snapshot(str(op.request["snapshot"]))
+        if snap.status != "ready":
+            snap = await self._take(src, snap)
+        done: list[str] = []
+        for fid in op.request.get("sandbox_ids") or []:
+            f = await self.store.get_sandbox(fid)
+            if f.state != State.CREATING:
+                if f.state == State.RUNNING:
+                    done.append(fid)
+                continue  # deleted meanwhile
+            if snap.node_id is not None:
+                node = await self.nodes.client(snap.node_id)
+                await self.store.update_sandbox(fid, node_id=node.node_id)
+                info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
+                                       json_body={"source": snap.sandbox_id, "snapshot": snap.id}, timeout=LONG)
+            elif snap.object_key is not None:
+                node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
+                await self.store.update_sandbox(fid, node_id=node.node_id)
+                info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
+                                       json_body={"snapshot": snap.id, "prefix": snap.object_key,
+                                                  "token": op.id}, timeout=LONG)
+            else:
+                raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",
+                                      snapshot_id=snap.id)
+            try:
+                f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
+                                                       instance_id=info.get("instance_id"),
+                                                       template_digest=info.get("template_digest"))
+            except InvalidState:
+                continue  # deleted while forking: the delete removes it from the node
+            await self.store.touch_sandbox(fid, _now())
+            await self.event(f, "forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
+                             parent=src.id, snapshot=snap.id)
+            done.append(fid)
+        await self.event(src, "forked_into", f"forked into {len(done)} sandbox(es) from snapshot {snap.id}",
+                         sandboxes=done, snapshot=snap.id)
+        return {"sandbox_ids": done, "snapshot": snap.id}
+
+    async def fork_failed(self, op: Operation, exc: SpaceError) -> None:
+        snap_id = op.request.get("snapshot")
+        if op.request.get("take_snapshot") and snap_id:
+            with contextlib.suppress(SpaceError):
+                snap = await self.store.get_snapshot(str(snap_id))
+                if snap.status == "creating":
+                    await self.store.update_snapshot(snap.id, status="failed", error=exc.message)
+        for fid in op.request.get("sandbox_ids") or []:
+            with contextlib.suppress(SpaceError):
+                await self.store.set_sandbox_state(fid, State.FAILED, expect=[State.CREATING],
+                                                   error_code=exc.code, error_message=exc.message)
+
+    async def snapshot_failed(self, op: Operation, exc: SpaceError) -> None:
+        with contextlib.suppress(SpaceError):
+            await self.store.update_snapshot(str(op.request["snapshot"]), status="failed", restorable=False,
+                                             error=exc.message)
+
+    def failure_handlers(self) -> dict[str, Any]:
+        return {
+            "sandbox.suspend": self.suspend_failed,
+            "sandbox.restore": self.restore_failed,
+            "sandbox.rollback": self.rollback_failed,
+            "sandbox.recover": self.rollback_failed,
+            "sandbox.fork": self.fork_failed,
+            "snapshot.create": self.snapshot_failed,
+        }
+
+    # -- delete --------------------------------------------------------------------------------
+
+    async def forget_artifacts(self, sb: Sandbox) -> None:
+        """A deleted sandbox's snapshots go with it (its forks are independent copies by then)."""
+        for snap in await self.store.list_snapshots(sandbox_id=sb.id, statuses=["creating", "ready", "failed"]):
+            if await self.store.snapshot_in_use(snap.id):
+                continue
+            await self.store.delete_snapshot_row(snap.id)
+        if self.objects is not None:
+            await self.objects.delete_prefix(sandbox_prefix(sb))
+
+
+def _now() -> Any:
+    import datetime as dt
+
+    return dt.datetime.now(dt.UTC)

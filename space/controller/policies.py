@@ -1,0 +1,148 @@
+"""Time-driven policies, applied by the controller on every tick: maximum lifetime, idleness
+(auto-pause, auto-suspend), the snapshot schedule and tiered retention.
+
+Each rule only *enqueues* operations (or deletes pruned snapshots, which is idempotent), so a
+crash between ticks loses nothing: the next tick sees the same rows and decides the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from typing import Any
+
+import structlog
+
+from space import ids, retention
+from space.controller.lifecycle_ops import LifecycleOps
+from space.controller.nodes import NodeRegistry
+from space.errors import SpaceError
+from space.lifecycle import State
+from space.store import Operation, Sandbox, Snapshot, Store
+
+log = structlog.get_logger("space.controller.policies")
+
+
+class Policies:
+    def __init__(self, store: Store, nodes: NodeRegistry, ops: LifecycleOps) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.ops = ops
+
+    async def tick(self, now: dt.datetime | None = None) -> int:
+        """Apply every policy once; returns how many operations were enqueued."""
+        now = now or dt.datetime.now(dt.UTC)
+        busy = {op.target for op in await self.store.find_operations(status=["pending", "running"])}
+        enqueued = 0
+        for sb in await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value,
+                                                          State.SUSPENDED.value]):
+            if sb.id in busy:
+                continue
+            try:
+                if await self._expire(sb, now) or await self._idle(sb, now):
+                    enqueued += 1
+                    continue
+                if sb.state == State.RUNNING:
+                    enqueued += await self._schedule(sb, now)
+                await self._prune(sb, now)
+            except SpaceError as exc:
+                log.warning("policy.failed", sandbox=sb.id, error=str(exc))
+        return enqueued
+
+    async def _enqueue(self, sb: Sandbox, kind: str, request: dict[str, Any], *,
+                       state: State | None = None, snapshot: Snapshot | None = None) -> Operation:
+        op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind=kind, target=sb.id, status="pending",
+                       request={**request, "from_state": str(sb.state)})
+        if snapshot is not None:
+            _, made, _ = await self.store.create_snapshot(snapshot, op)
+            assert made is not None
+            op = made
+        else:
+            op, _ = await self.store.create_operation(op)
+        if state is not None:
+            await self.store.set_sandbox_state(sb.id, state, expect=[sb.state])
+        return op
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    async def _expire(self, sb: Sandbox, now: dt.datetime) -> bool:
+        if sb.expires_at is None or sb.expires_at > now:
+            return False
+        await self._enqueue(sb, "sandbox.delete", {"reason": "lifetime"}, state=State.TERMINATING)
+        await self.ops.event(sb, "expired", "its maximum lifetime ran out: deleting it")
+        return True
+
+    # -- idleness ------------------------------------------------------------------------------
+
+    async def _idle(self, sb: Sandbox, now: dt.datetime) -> bool:
+        if sb.idle_pause_s is None and sb.idle_suspend_s is None:
+            return False
+        last = sb.last_active_at or sb.updated_at or sb.created_at
+        if sb.state == State.RUNNING and sb.node_id is not None:
+            try:
+                node = await self.nodes.client(sb.node_id)
+                act = await node.call("GET", f"/v1/sandboxes/{sb.id}/activity", timeout=10)
+            except SpaceError:
+                return False  # a sandbox we cannot ask about is not idle-paused blindly
+            if act.get("running"):
+                # Commands still running are work in progress, whoever is watching them.
+                await self.store.touch_sandbox(sb.id, now)
+                return False
+            guest_last = act.get("last_activity")
+            if isinstance(guest_last, (int, float)) and guest_last > 0:
+                seen = dt.datetime.fromtimestamp(guest_last, dt.UTC)
+                if seen > last:
+                    last = seen
+                    await self.store.touch_sandbox(sb.id, seen)
+        idle = (now - last).total_seconds()
+        if sb.state in (State.RUNNING, State.PAUSED) and sb.idle_suspend_s is not None and idle >= sb.idle_suspend_s:
+            snap = self.ops_snapshot(sb, "suspend")
+            await self._enqueue(sb, "sandbox.suspend", {"snapshot": snap.id, "idle": True},
+                                state=State.SUSPENDING, snapshot=snap)
+            await self.ops.event(sb, "idle", f"idle for {idle:.0f}s: suspending")
+            return True
+        if sb.state == State.RUNNING and sb.idle_pause_s is not None and idle >= sb.idle_pause_s:
+            await self._enqueue(sb, "sandbox.pause", {"idle": True})
+            await self.ops.event(sb, "idle", f"idle for {idle:.0f}s: pausing")
+            return True
+        return False
+
+    @staticmethod
+    def ops_snapshot(sb: Sandbox, origin: str, kind: str = "full") -> Snapshot:
+        return Snapshot(id=ids.snapshot_id(), tenant=sb.tenant, sandbox_id=sb.id, kind=kind, origin=origin,
+                        status="creating", node_id=sb.node_id, template=sb.template,
+                        template_digest=sb.template_digest, restorable=False)
+
+    # -- schedule and retention ----------------------------------------------------------------
+
+    async def _schedule(self, sb: Sandbox, now: dt.datetime) -> int:
+        policy = retention.SnapshotPolicy.from_dict(sb.snapshot_policy or None)
+        n = 0
+        for kind in ("disk", "full"):
+            latest = await self.store.latest_snapshot(sb.id, kind=kind, restorable=None)
+            last = latest.created_at if latest is not None else sb.created_at
+            if not retention.due(policy, kind, last, now):
+                continue
+            snap = self.ops_snapshot(sb, "schedule", kind)
+            await self._enqueue(sb, "snapshot.create", {"snapshot": snap.id, "kind": kind}, snapshot=snap)
+            n += 1
+        return n
+
+    async def _prune(self, sb: Sandbox, now: dt.datetime) -> None:
+        snaps = await self.store.list_snapshots(sandbox_id=sb.id, statuses=["ready"])
+        if not any(s.origin == "schedule" for s in snaps):
+            return
+        policy = retention.SnapshotPolicy.from_dict(sb.snapshot_policy or None)
+        pinned = set()
+        newest_full = await self.store.latest_snapshot(sb.id, kind="full", node_id=sb.node_id)
+        if newest_full is not None:
+            pinned.add(newest_full.id)  # crash recovery restores from it
+        for s in snaps:
+            if s.origin == "schedule" and await self.store.snapshot_in_use(s.id):
+                pinned.add(s.id)
+        refs = [retention.SnapshotRef(id=s.id, created_at=s.created_at, kind=s.kind, origin=s.origin) for s in snaps]
+        by_id = {s.id: s for s in snaps}
+        for sid in retention.prune(refs, policy, now, pinned=pinned):
+            with contextlib.suppress(SpaceError):
+                await self.ops.remove_snapshot(by_id[sid])
+                log.info("snapshot.pruned", sandbox=sb.id, snapshot=sid)

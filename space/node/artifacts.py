@@ -1,0 +1,395 @@
+"""The format snapshots are shipped in to object storage, and a single-flight for fetching them.
+
+A shipped snapshot is a prefix holding its artifacts (opaque files: a ``btrfs send`` stream, the
+runsc checkpoint images...) and ``manifest.json``::
+
+    {"format": 1, "created_at": "...", "meta": {...},
+     "artifacts": [{"name": "rootfs.btrfs.zst", "size": 123, "sha256": "..."}, ...]}
+
+The manifest is the commit point. It is written only after every artifact was uploaded, and it is
+the first thing deleted, both when a snapshot is deleted and when an upload starts over. So a
+prefix without a manifest is an upload that never finished and is never restored, and a manifest
+never describes data it was not written for. A download checks every artifact's size and sha256
+against the manifest.
+
+This module knows nothing of btrfs or runsc: callers hand it files and byte streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from space.errors import InvalidRequest, NotFound, SnapshotCorrupt
+from space.objstore import ObjectStore, PutResult, check_key
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+Progress = Callable[[str], Awaitable[None]]
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One file of a snapshot to upload: from a ``path``, or from a ``stream`` factory (called once)."""
+
+    name: str
+    path: Path | None = None
+    stream: Callable[[], AsyncIterator[bytes]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.stream is None):
+            raise InvalidRequest(f"artifact {self.name!r} needs exactly one of a path or a stream")
+
+
+@dataclass(frozen=True)
+class ArtifactRecord:
+    """An artifact as the manifest records it."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    created_at: str
+    meta: dict[str, Any]
+    artifacts: tuple[ArtifactRecord, ...] = field(default_factory=tuple)
+
+    @property
+    def total_size(self) -> int:
+        return sum(a.size for a in self.artifacts)
+
+    def artifact(self, name: str) -> ArtifactRecord:
+        for a in self.artifacts:
+            if a.name == name:
+                return a
+        raise NotFound(f"the snapshot has no artifact {name!r}", artifact=name)
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": self.version,
+            "created_at": self.created_at,
+            "meta": self.meta,
+            "artifacts": [{"name": a.name, "size": a.size, "sha256": a.sha256} for a in self.artifacts],
+        }
+        return json.dumps(body, indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, *, prefix: str) -> Manifest:
+        """Parse a manifest; anything malformed is :class:`SnapshotCorrupt` naming ``prefix``."""
+
+        def bad(why: str) -> SnapshotCorrupt:
+            return SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: {why}", snapshot=prefix)
+
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad(f"not JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise bad("not a JSON object")
+        version = body.get("format")
+        if version != FORMAT_VERSION:
+            raise bad(f"format {version!r}; this SPACE reads format {FORMAT_VERSION}")
+        created_at, meta, raw = body.get("created_at"), body.get("meta"), body.get("artifacts")
+        if not isinstance(created_at, str) or not isinstance(meta, dict) or not isinstance(raw, list):
+            raise bad("created_at, meta or artifacts is missing or of the wrong type")
+        records: list[ArtifactRecord] = []
+        for item in raw:
+            if not isinstance(item, dict):
+                raise bad("an artifact entry is not an object")
+            name, size, sha = item.get("name"), item.get("size"), item.get("sha256")
+            if (not isinstance(name, str) or not _valid_name(name) or isinstance(size, bool)
+                    or not isinstance(size, int) or size < 0
+                    or not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha)):
+                raise bad(f"artifact entry {item!r} is malformed")
+            records.append(ArtifactRecord(name=name, size=size, sha256=sha))
+        if len({r.name for r in records}) != len(records):
+            raise bad("an artifact is listed twice")
+        return cls(version=version, created_at=created_at, meta=meta, artifacts=tuple(records))
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_key(name)
+    except InvalidRequest:
+        return False
+    return name != MANIFEST
+
+
+def _check_names(names: Sequence[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        check_key(name)
+        if name == MANIFEST:
+            raise InvalidRequest(f"{MANIFEST!r} is reserved for the snapshot's manifest")
+        if name in seen:
+            raise InvalidRequest(f"artifact {name!r} is given twice")
+        seen.add(name)
+    # "a" and "a/b" cannot both exist in a directory (the local store, a download destination).
+    for name in names:
+        if any(other.startswith(name + "/") for other in seen):
+            raise InvalidRequest(f"artifact {name!r} is both a file and a directory of other artifacts")
+
+
+def _prefix(prefix: str) -> str:
+    prefix = prefix.strip("/")
+    if not prefix:
+        raise InvalidRequest("a snapshot needs a non-empty object store prefix")
+    return check_key(prefix)
+
+
+async def _progress(on_progress: Progress | None, message: str) -> None:
+    if on_progress is not None:
+        await on_progress(message)
+
+
+# ---- upload, read, download, delete -------------------------------------------------------------
+
+
+async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[Artifact], meta: dict[str, Any],
+                          *, on_progress: Progress | None = None) -> Manifest:
+    """Upload ``artifacts`` under ``prefix``, then commit them by writing the manifest.
+
+    Whatever was under ``prefix`` before (an older manifest first, then the partial data of an
+    upload that crashed) is deleted first, so a retry starts clean. If any artifact fails, the
+    error propagates and no manifest is written: the snapshot stays unrestorable.
+    """
+    prefix = _prefix(prefix)
+    _check_names([a.name for a in artifacts])
+    await store.delete(f"{prefix}/{MANIFEST}")
+    stale = await store.delete_prefix(prefix)
+    if stale:
+        log.info("snapshot upload: removed stale objects", prefix=prefix, count=stale, store=store.describe())
+    records: list[ArtifactRecord] = []
+    for i, art in enumerate(artifacts, 1):
+        await _progress(on_progress, f"uploading {art.name} ({i}/{len(artifacts)})")
+        key = f"{prefix}/{art.name}"
+        result: PutResult
+        if art.path is not None:
+            result = await store.put_file(key, art.path)
+        else:
+            assert art.stream is not None  # __post_init__ guarantees one of the two
+            result = await store.put_stream(key, art.stream())
+        records.append(ArtifactRecord(name=art.name, size=result.size, sha256=result.sha256))
+        await _progress(on_progress, f"uploaded {art.name}: {result.size} bytes")
+    manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=dict(meta),
+                        artifacts=tuple(records))
+    await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.to_json())
+    log.info("snapshot uploaded", prefix=prefix, artifacts=len(records), bytes=manifest.total_size,
+             store=store.describe())
+    return manifest
+
+
+async def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
+    """The manifest of the snapshot at ``prefix``; :class:`SnapshotCorrupt` if absent or unreadable."""
+    prefix = _prefix(prefix)
+    try:
+        data = await store.get_bytes(f"{prefix}/{MANIFEST}")
+    except NotFound:
+        raise SnapshotCorrupt(f"snapshot {prefix} has no manifest: its upload never finished",
+                              snapshot=prefix) from None
+    return Manifest.from_json(data, prefix=prefix)
+
+
+async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, names: Sequence[str] | None = None,
+                            on_progress: Progress | None = None) -> Manifest:
+    """Download the snapshot's artifacts (all, or ``names``) to ``dest/<name>``, each verified.
+
+    A missing or mismatching artifact is :class:`SnapshotCorrupt` naming the snapshot and the
+    artifact; on any failure the files this call wrote are removed.
+    """
+    prefix = _prefix(prefix)
+    manifest = await read_manifest(store, prefix)
+    if names is None:
+        wanted = list(manifest.artifacts)
+    else:
+        wanted = []
+        for name in names:
+            try:
+                wanted.append(manifest.artifact(name))
+            except NotFound:
+                raise NotFound(f"snapshot {prefix} has no artifact {name!r}", snapshot=prefix,
+                               artifact=name) from None
+    written: list[Path] = []
+    try:
+        for i, rec in enumerate(wanted, 1):
+            await _progress(on_progress, f"downloading {rec.name} ({i}/{len(wanted)}, {rec.size} bytes)")
+            target = dest / rec.name
+            await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+            key = f"{prefix}/{rec.name}"
+            try:
+                await store.get_to_file(key, target, expected_sha256=rec.sha256, expected_size=rec.size)
+            except NotFound:
+                raise SnapshotCorrupt(f"snapshot {prefix} is corrupt: its artifact {rec.name} is missing",
+                                      snapshot=prefix, artifact=rec.name) from None
+            except SnapshotCorrupt as e:
+                raise SnapshotCorrupt(f"snapshot {prefix} is corrupt: artifact {rec.name}: {e.message}",
+                                      snapshot=prefix, artifact=rec.name) from None
+            written.append(target)
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        raise
+    await _progress(on_progress, f"downloaded {len(wanted)} artifacts")
+    return manifest
+
+
+async def delete_snapshot(store: ObjectStore, prefix: str) -> None:
+    """Delete a shipped snapshot: the manifest first (it stops being restorable), then the rest."""
+    prefix = _prefix(prefix)
+    await store.delete(f"{prefix}/{MANIFEST}")
+    await store.delete_prefix(prefix)
+
+
+# ---- single-flight ------------------------------------------------------------------------------
+
+
+@dataclass
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class SingleFlight:
+    """One holder per key: across the tasks of this process and across the processes of this node.
+
+    Inside a process an :class:`asyncio.Lock` per key orders the tasks; between processes an
+    ``flock`` on ``<lock_dir>/<key>.lock`` does. A contended ``flock`` is waited for in a thread of
+    its own, so neither the event loop nor the shared executor is blocked. Lock files stay (removing
+    one while another process waits on it would split the lock in two).
+    """
+
+    def __init__(self, lock_dir: Path) -> None:
+        self.lock_dir = lock_dir
+        self._keys: dict[str, _KeyLock] = {}
+
+    def lock_path(self, key: str) -> Path:
+        readable = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80]
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        return self.lock_dir / f"{readable}-{digest}.lock"
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        entry = self._keys.setdefault(key, _KeyLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                fd = await _flock(self.lock_path(key))
+                try:
+                    yield
+                finally:
+                    # Closing the descriptor releases the flock.
+                    os.close(fd)
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                self._keys.pop(key, None)
+
+    async def once(self, key: str, is_done: Callable[[], Awaitable[bool]],
+                   do: Callable[[], Awaitable[T]]) -> T | None:
+        """Run ``do`` unless ``is_done``; concurrent callers share one run.
+
+        Returns what ``do`` returned, or None when it was already done (by an earlier call, another
+        task or another process). ``is_done`` is asked again once the lock is held.
+        """
+        if await is_done():
+            return None
+        async with self.hold(key):
+            if await is_done():
+                return None
+            return await do()
+
+
+async def _flock(path: Path) -> int:
+    """Open ``path`` and take an exclusive flock on it; returns the descriptor that holds it."""
+    await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    waiter = _FlockWaiter(fd, asyncio.get_running_loop())
+    await waiter.wait()
+    return fd
+
+
+class _FlockWaiter:
+    """A blocking flock in a daemon thread, handed back to the loop; safe against cancellation.
+
+    If the waiting task is cancelled, the thread still gets the lock eventually; whoever comes
+    second (the thread finishing, or the task giving up) closes the descriptor, which releases it.
+    """
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = fd
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.mu = threading.Lock()
+        self.finished = False
+        self.abandoned = False
+
+    async def wait(self) -> None:
+        threading.Thread(target=self._run, name=f"flock-{self.fd}", daemon=True).start()
+        try:
+            await self.future
+        except BaseException:
+            with self.mu:
+                self.abandoned = True
+                close_here = self.finished
+            if close_here:
+                os.close(self.fd)
+            raise
+
+    def _run(self) -> None:
+        error: OSError | None = None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as e:
+            error = e
+        with self.mu:
+            self.finished = True
+            abandoned = self.abandoned
+        if abandoned:
+            os.close(self.fd)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._settle, error)
+        except RuntimeError:  # the loop is closed: nobody will take this lock
+            with self.mu:
+                self.abandoned = True
+            os.close(self.fd)
+
+    def _settle(self, error: OSError | None) -> None:
+        if self.future.done():
+            return
+        if error is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(error)

@@ -1,0 +1,212 @@
+"""The stateful lifecycle through the public API, on real runsc and btrfs: pause/resume, disk and
+full snapshots, rollback, fork, suspend/restore through object storage, crash recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.harness import Server, create_sandbox, run, wait_for, wait_operation
+
+pytestmark = pytest.mark.runtime
+
+#: Counts in memory (a shell variable), writes the count to a file each tick: a process whose
+#: state lives only in its memory.
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"
+
+
+def sh(api: httpx.Client, sid: str, script: str) -> str:
+    code, out, err = run(api, sid, {"shell": script})
+    assert code == 0, (code, out, err)
+    return out.decode()
+
+
+def count(api: httpx.Client, sid: str) -> int:
+    return int(sh(api, sid, "cat /tmp/count").strip() or 0)
+
+
+def act(api: httpx.Client, sid: str, action: str, body: dict[str, Any] | None = None,
+        timeout: float = 300) -> dict[str, Any]:
+    r = api.post(f"/v1/sandboxes/{sid}/{action}", json=body)
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"], timeout=timeout)
+    assert op["status"] == "succeeded", op["error"]
+    return {**r.json(), "operation": op}
+
+
+def snapshot(api: httpx.Client, sid: str, kind: str) -> str:
+    r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": kind})
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"])
+    assert op["status"] == "succeeded", op
+    return str(op["result"]["snapshot"])
+
+
+def state(api: httpx.Client, sid: str) -> str:
+    return str(api.get(f"/v1/sandboxes/{sid}").json()["state"])
+
+
+def start_counter(api: httpx.Client, sid: str) -> str:
+    r = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": COUNTER})
+    assert r.status_code == 201, r.text
+    wait_for(lambda: count(api, sid) > 3, 30, "the counter to count")
+    return str(r.json()["id"])
+
+
+def test_pause_freezes_and_resume_continues_from_memory(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    start_counter(api, sid)
+    act(api, sid, "pause")
+    assert state(api, sid) == "paused"
+    paused = api.get(f"/v1/sandboxes/{sid}").json()
+    assert "resume" in paused["allowed_actions"] and "pause" not in paused["allowed_actions"]
+    # Pausing twice is a conflict that names the state.
+    again = api.post(f"/v1/sandboxes/{sid}/pause")
+    assert again.status_code == 409 and again.json()["error"]["state"] == "paused"
+    act(api, sid, "resume")
+    first = count(api, sid)
+    wait_for(lambda: count(api, sid) > first + 3, 30, "the counter to continue")
+    # It continued from memory (the shell variable), not from zero.
+    assert count(api, sid) > first
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_an_api_call_to_a_paused_sandbox_resumes_it(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    act(api, sid, "pause")
+    assert sh(api, sid, "echo awake") == "awake\n"
+    assert state(api, sid) == "running"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_disk_snapshot_rollback_brings_files_back(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    sh(api, sid, "mkdir -p /home/user/project && echo precious > /home/user/project/a.txt")
+    snap = snapshot(api, sid, "disk")
+    listed = api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]
+    assert [(s["id"], s["kind"], s["restorable"]) for s in listed] == [(snap, "disk", True)]
+    sh(api, sid, "rm -rf /home/user/project")
+    act(api, sid, "rollback", {"snapshot": snap})
+    assert sh(api, sid, "cat /home/user/project/a.txt") == "precious\n"
+    events = api.get(f"/v1/sandboxes/{sid}/events").json()["events"]
+    assert events[-1]["kind"] == "rolled_back"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_full_snapshot_rollback_brings_processes_back(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    cid = start_counter(api, sid)
+    snap = snapshot(api, sid, "full")
+    at_snapshot = count(api, sid)
+    sh(api, sid, "kill $(pgrep -f 'while true'); rm -f /tmp/count")
+    act(api, sid, "rollback", {"snapshot": snap})
+    # The counter is running again, from the value it had in memory at the snapshot.
+    wait_for(lambda: count(api, sid) > 0, 30, "the counter to run again")
+    n = count(api, sid)
+    assert at_snapshot - 20 <= n, (at_snapshot, n)
+    cmds = api.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]
+    assert any(c["id"] == cid and c["state"] == "running" for c in cmds), cmds
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_fork_copies_files_and_processes_then_diverges(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    start_counter(api, sid)
+    sh(api, sid, "echo origin > /home/user/who")
+    r = api.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2})
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+    assert op["status"] == "succeeded", op
+    forks = op["result"]["sandbox_ids"]
+    assert len(forks) == 2 and sid not in forks
+    for i, f in enumerate(forks):
+        assert state(api, f) == "running"
+        assert sh(api, f, "cat /home/user/who") == "origin\n"
+        start = count(api, f)
+        wait_for(lambda f=f, start=start: count(api, f) > start, 30, "the fork's counter to continue")
+        sh(api, f, f"echo fork{i} > /home/user/who")
+    # Each diverged on its own; the source kept running and kept its file.
+    assert sh(api, sid, "cat /home/user/who") == "origin\n"
+    assert [sh(api, f, "cat /home/user/who") for f in forks] == ["fork0\n", "fork1\n"]
+    src_before = count(api, sid)
+    wait_for(lambda: count(api, sid) > src_before, 30, "the source to keep running")
+    for f in [*forks, sid]:
+        api.delete(f"/v1/sandboxes/{f}")
+
+
+def test_suspend_uploads_then_restore_brings_files_and_processes_back(api: httpx.Client, server: Server) -> None:
+    sid = create_sandbox(api)
+    start_counter(api, sid)
+    sh(api, sid, "head -c 1000000 /dev/urandom > /home/user/blob && sha256sum /home/user/blob > /home/user/sum")
+    act(api, sid, "suspend")
+    sb = api.get(f"/v1/sandboxes/{sid}").json()
+    assert sb["state"] == "suspended" and sb["node_id"] is None and sb["snapshot_id"]
+    snap = api.get(f"/v1/snapshots/{sb['snapshot_id']}").json()
+    assert snap["restorable"] and snap["location"] == ["object_store"]
+    manifest = server.data_dir / "objects" / f"tenants/default/sandboxes/{sid}/snapshots/{snap['id']}/manifest.json"
+    assert manifest.exists(), list((server.data_dir / "objects").rglob("*"))[:20]
+    names = {a["name"] for a in json.loads(manifest.read_text())["artifacts"]}
+    assert "rootfs.btrfs.zst" in names and any(n.startswith("checkpoint/") for n in names)
+    act(api, sid, "restore")
+    assert state(api, sid) == "running"
+    assert sh(api, sid, "sha256sum -c /home/user/sum").strip().endswith("OK")
+    before = count(api, sid)
+    wait_for(lambda: count(api, sid) > before, 30, "the restored counter to continue")
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_call_to_a_suspended_sandbox_restores_it(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    act(api, sid, "suspend")
+    assert sh(api, sid, "echo back") == "back\n"
+    assert state(api, sid) == "running"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def _kill_runtime(server: Server, sid: str) -> None:
+    """SIGKILL the sandbox's gVisor kernel (the runsc sandbox process)."""
+    inst = None
+    root = server.data_dir / "runsc"
+    out = subprocess.run(["runsc", f"--root={root}", "list", "--format=json"], capture_output=True,
+                         text=True, check=True).stdout
+    for item in json.loads(out) or []:
+        if item["id"].startswith(sid):
+            inst = item
+    assert inst is not None, out
+    os.kill(int(inst["pid"]), signal.SIGKILL)
+
+
+def test_a_killed_runtime_is_recovered_from_the_latest_full_checkpoint(api: httpx.Client, server: Server) -> None:
+    sid = create_sandbox(api)
+    cid = start_counter(api, sid)
+    snap = snapshot(api, sid, "full")
+    _kill_runtime(server, sid)
+    wait_for(lambda: any(e["kind"] == "recovered" for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"]),
+             60, "the sandbox to be recovered")
+    ev = [e for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "recovered"][-1]
+    assert snap in ev["message"] and "full checkpoint" in ev["message"]
+    wait_for(lambda: state(api, sid) == "running", 30, "running again")
+    cmds = api.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]
+    assert any(c["id"] == cid and c["state"] == "running" for c in cmds), cmds
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_killed_runtime_without_checkpoint_boots_from_the_disk_snapshot(api: httpx.Client, server: Server) -> None:
+    sid = create_sandbox(api)
+    sh(api, sid, "echo kept > /home/user/f")
+    snap = snapshot(api, sid, "disk")
+    sh(api, sid, "echo lost > /home/user/f")
+    _kill_runtime(server, sid)
+    wait_for(lambda: any(e["kind"] == "recovered" for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"]),
+             60, "the sandbox to be recovered")
+    ev = [e for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "recovered"][-1]
+    assert snap in ev["message"] and "disk snapshot" in ev["message"] and "restarted" in ev["message"]
+    wait_for(lambda: state(api, sid) == "running", 30, "running again")
+    assert sh(api, sid, "cat /home/user/f") == "kept\n"
+    api.delete(f"/v1/sandboxes/{sid}")
