@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from space.cli import apikeys, files, sandbox, templates
+from space.cli import apikeys, files, sandbox, snapshots, templates
 from space.cli import exec as exec_
 from space.cli.context import Settings, SpaceGroup
 
@@ -32,6 +32,7 @@ def _root(
 
 
 app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(snapshots.app, name="snapshot")
 app.add_typer(files.app, name="files")
 app.add_typer(templates.app, name="template")
 app.add_typer(templates.operations_app, name="operation")

@@ -1,4 +1,5 @@
-"""Plain values the SDK hands back: operations, command events and command results.
+"""Plain values the SDK hands back: operations, command events and results, snapshots and
+sandbox events.
 
 They are shared by the async and the sync client (neither does I/O here).
 """
@@ -154,3 +155,66 @@ def command_request(
     if timeout is not None:
         body["timeout"] = timeout
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A point a sandbox can go back to (rollback) or be copied from (fork).
+
+    ``kind`` is ``disk`` (the files) or ``full`` (memory and files: processes come back too).
+    ``restorable`` is true only once it is ready and its artifacts are in place.
+    """
+
+    id: str
+    sandbox_id: str
+    kind: str
+    status: str
+    restorable: bool
+    origin: str = ""
+    size_bytes: int | None = None
+    created_at: str | None = None
+    location: tuple[str, ...] = ()
+    node_id: str | None = None
+    error: str | None = None
+    raw: JSON = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, body: JSON) -> Snapshot:
+        size = body.get("size_bytes")
+        return cls(
+            id=str(body["id"]),
+            sandbox_id=str(body.get("sandbox_id", "")),
+            kind=str(body.get("kind", "")),
+            status=str(body.get("status", "")),
+            restorable=bool(body.get("restorable", False)),
+            origin=str(body.get("origin", "")),
+            size_bytes=None if size is None else int(size),
+            created_at=body.get("created_at"),
+            location=tuple(str(w) for w in body.get("location") or ()),
+            node_id=body.get("node_id"),
+            error=body.get("error"),
+            raw=body,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxEvent:
+    """One entry of a sandbox's timeline (``paused``, ``rolled_back``, ``recovered`` ...)."""
+
+    id: int
+    kind: str
+    message: str
+    at: str | None = None
+    data: JSON = field(default_factory=dict)
+    raw: JSON = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, body: JSON) -> SandboxEvent:
+        return cls(
+            id=int(body["id"]),
+            kind=str(body.get("kind", "")),
+            message=str(body.get("message", "")),
+            at=body.get("at"),
+            data=dict(body.get("data") or {}),
+            raw=body,
+        )

@@ -51,6 +51,8 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     admin_key: str = ""
     extra_args: list[str] = dataclasses.field(default_factory=list)
+    #: Extra environment of the server (and so of its node agent), e.g. object store credentials.
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -67,7 +69,7 @@ class Server:
              "--pool-size-gb", "16", "--max-upload-mb", "64", *self.extra_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
             # Keepalives every second so that every stream in the tests carries some.
-            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1"},
+            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1", **self.env},
         )
         log.close()
         wait_for(self._healthy, 300, "the server to answer /healthz")
@@ -122,6 +124,103 @@ class Server:
         self.stop()
         subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir)], check=True,
                        capture_output=True, timeout=300)
+
+
+@dataclasses.dataclass
+class NodeAgent:
+    """A further node: a ``space node run`` process with its own data dir, pool, cache and token,
+    serving its node API on TCP and registered with a :class:`Server` (as a separate host would be).
+
+    Its cache dir is its own, so a template it lacks comes from object storage, not the host cache.
+    """
+
+    node_id: str
+    data_dir: Path
+    cache_dir: Path
+    log_path: Path
+    object_store_url: str
+    port: int = dataclasses.field(default_factory=free_port)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    token: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float = 30.0) -> httpx.Client:
+        """A client of this node's own API (its token, not an API key)."""
+        return httpx.Client(base_url=self.url, timeout=timeout,
+                            headers={"authorization": f"Bearer {self.token}"})
+
+    def info(self) -> dict[str, Any]:
+        """The node's ``GET /v1/node``."""
+        with self.client() as c:
+            r = c.get("/v1/node")
+            r.raise_for_status()
+            out: dict[str, Any] = r.json()
+            return out
+
+    def start(self, server: Server) -> None:
+        """Start the agent and wait until ``server`` lists it as a ready node."""
+        import secrets
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(32)
+        token_file = _private_file(self.data_dir / "node.token", self.token)
+        key_file = _private_file(self.data_dir / "admin.key", server.admin_key)
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
+        # Run as ``-m space.cli.main`` like the all-in-one node, so _node_agent_running finds it.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "space.cli.main", "node", "run",
+             "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
+             "--token-file", str(token_file), "--node-id", self.node_id,
+             "--cache-dir", str(self.cache_dir), "--pool-size-gb", "16",
+             "--object-store-url", self.object_store_url,
+             "--register", server.url, "--api-key-file", str(key_file)],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
+            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1", **self.env},
+        )
+        log.close()
+        with server.client() as api:
+            def registered() -> bool:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise AssertionError(f"node {self.node_id} exited with {self.proc.returncode}:\n"
+                                         f"{self.log_tail()}")
+                nodes = api.get("/v1/nodes").json()["nodes"]
+                return any(n["id"] == self.node_id and n["url"] == self.url and n["state"] == "ready"
+                           for n in nodes)
+            wait_for(registered, 120, f"node {self.node_id} to register", interval=0.1)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+    def teardown(self) -> None:
+        """Stop the agent and release every sandbox, mount, loop device and socket it made."""
+        self.stop()
+        if (self.data_dir / "pool.img").exists():
+            subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir),
+                            "--cache-dir", str(self.cache_dir)], check=True, capture_output=True, timeout=300)
+
+
+def _private_file(path: Path, value: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return path
 
 
 def base_template(server: Server) -> Path:

@@ -1,5 +1,6 @@
 # Generated from space/sdk/_async/_sandboxes.py by scripts/unasync.py: do not edit.
-"""Sandboxes: creating, finding and deleting them, and the handle that runs commands in one."""
+"""Sandboxes: creating, finding and deleting them, and the handle that runs commands in one and
+moves it through its lifecycle (pause, snapshots, rollback, fork, suspend, restore)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from space.sdk._models import JSON, CommandResult, Operation, command_request
+from space import errors
+from space.sdk._models import JSON, CommandResult, Operation, SandboxEvent, Snapshot, command_request
 
 from ._commands import Command, OutputCallback
 from ._files import Files
 from ._http import SyncHTTP
 from ._resources import Operations
+
+#: Lifecycle operations move memory images and file system deltas: they get a longer default wait.
+LIFECYCLE_TIMEOUT = 300.0
 
 
 class Sandbox:
@@ -60,6 +65,143 @@ class Sandbox:
         self.operation = op
         op.raise_for_error()
         return op
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _act(
+        self, action: str, body: JSON | None, *, wait: bool, timeout: float | None
+    ) -> Operation:
+        """POST an action, then (with ``wait``) follow its operation and the sandbox's new state."""
+        reply = self._http.json("POST", f"{self._path}/{action}", json=body)
+        self.info = reply.get("sandbox", self.info)
+        op = self._finish(Operation.from_json(reply["operation"]), wait, timeout)
+        if wait:
+            self.refresh()
+        return op
+
+    def _finish(self, op: Operation, wait: bool, timeout: float | None) -> Operation:
+        if wait:
+            op = self._operations.wait(op.id, timeout)
+        self.operation = op
+        exc = op.exception()
+        if exc is not None:
+            exc.details.setdefault("sandbox_id", self.id)
+            raise exc
+        return op
+
+    def pause(self, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT) -> Operation:
+        """Freeze every process (memory stays in place); ``resume`` continues them."""
+        return self._act("pause", None, wait=wait, timeout=timeout)
+
+    def resume(self, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT) -> Operation:
+        return self._act("resume", None, wait=wait, timeout=timeout)
+
+    def suspend(self, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT) -> Operation:
+        """Checkpoint memory and files to object storage and free the node; ``restore`` brings it back."""
+        return self._act("suspend", None, wait=wait, timeout=timeout)
+
+    def restore(
+        self, node: str | None = None, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT
+    ) -> Operation:
+        """Bring a suspended sandbox back, on ``node`` if given (admin keys only), else where it fits."""
+        body = {"node": node} if node is not None else None
+        return self._act("restore", body, wait=wait, timeout=timeout)
+
+    def rollback(
+        self, snapshot_id: str, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT
+    ) -> Operation:
+        """Put the sandbox back to one of its snapshots (a full one brings its processes back too)."""
+        return self._act("rollback", {"snapshot": snapshot_id}, wait=wait, timeout=timeout)
+
+    def fork(
+        self,
+        snapshot: str | None = None,
+        count: int = 1,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        wait: bool = True,
+        timeout: float | None = LIFECYCLE_TIMEOUT,
+    ) -> builtins.list[Sandbox]:
+        """``count`` new sandboxes from ``snapshot`` (default: a full checkpoint taken now).
+
+        With ``wait`` they are running when this returns; without, they are still creating and each
+        handle's ``operation`` is the fork's.
+        """
+        body: JSON = {"count": count}
+        if snapshot is not None:
+            body["snapshot"] = snapshot
+        if metadata:
+            body["metadata"] = dict(metadata)
+        reply = self._http.json("POST", f"{self._path}/fork", json=body)
+        op = Operation.from_json(reply["operation"])
+        forks = [Sandbox(self._http, self._operations, info, op) for info in reply.get("sandboxes", [])]
+        if wait:
+            op = self._operations.wait(op.id, timeout)
+            self.operation = op
+            exc = op.exception()
+            if exc is not None:
+                exc.details.setdefault("sandbox_id", self.id)
+                exc.details.setdefault("sandbox_ids", [f.id for f in forks])
+                raise exc
+            for f in forks:
+                f.operation = op
+                f.refresh()
+        else:
+            self.operation = op
+        return forks
+
+    def snapshot(
+        self, memory: bool = False, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT
+    ) -> Snapshot:
+        """Take a snapshot: of the files (``disk``), or with ``memory`` of processes too (``full``)."""
+        kind = "full" if memory else "disk"
+        reply = self._http.json("POST", f"{self._path}/snapshots", json={"kind": kind})
+        self.info = reply.get("sandbox", self.info)
+        op = self._finish(Operation.from_json(reply["operation"]), wait, timeout)
+        named = reply.get("snapshot")
+        if op.done and op.result and op.result.get("snapshot"):
+            return self.get_snapshot(str(op.result["snapshot"]))
+        if isinstance(named, dict):
+            return Snapshot.from_json(named)
+        return self._pending_snapshot(kind)
+
+    def _pending_snapshot(self, kind: str) -> Snapshot:
+        # The 202 answer names the operation, not the snapshot: the one just asked for is the newest
+        # manual snapshot of that kind still being taken.
+        pending = [s for s in self.snapshots()
+                   if s.status == "creating" and s.kind == kind and s.origin == "manual"]
+        if not pending:
+            raise errors.Internal(f"the {kind} snapshot just asked of sandbox {self.id} is not listed")
+        return max(pending, key=lambda s: s.created_at or "")
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return Snapshot.from_json(self._http.json("GET", f"/v1/snapshots/{quote(snapshot_id, safe='')}"))
+
+    def snapshots(self) -> builtins.list[Snapshot]:
+        """This sandbox's snapshots (being taken, ready, or failed), oldest first."""
+        body = self._http.json("GET", f"{self._path}/snapshots")
+        return [Snapshot.from_json(s) for s in body.get("snapshots", [])]
+
+    def delete_snapshot(
+        self, snapshot_id: str, *, wait: bool = True, timeout: float | None = LIFECYCLE_TIMEOUT
+    ) -> Operation:
+        """Delete one of this sandbox's snapshots (409 conflict while a fork or restore uses it)."""
+        reply = self._http.json("DELETE", f"{self._path}/snapshots/{quote(snapshot_id, safe='')}")
+        return self._finish(Operation.from_json(reply["operation"]), wait, timeout)
+
+    def events(self, after: int = 0) -> builtins.list[SandboxEvent]:
+        """The sandbox's timeline after event id ``after``, oldest first."""
+        out: builtins.list[SandboxEvent] = []
+        while True:
+            # The server answers in pages: ask again from the last id until nothing new comes.
+            body = self._http.json("GET", f"{self._path}/events", params={"after": after})
+            page = [SandboxEvent.from_json(e) for e in body.get("events", [])]
+            if not page:
+                return out
+            out.extend(page)
+            after = page[-1].id
+
+    # -- commands ------------------------------------------------------------------------------
 
     def start(
         self,
@@ -120,12 +262,19 @@ class Sandboxes:
         memory_mb: int | None = None,
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        idle_pause: int | None = None,
+        idle_suspend: int | None = None,
+        lifetime: int | None = None,
+        snapshot_policy: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
         timeout: float | None = 120.0,
     ) -> Sandbox:
         """Create a sandbox; with ``wait`` return once it runs, raising its creation error if it failed.
 
+        ``idle_pause`` / ``idle_suspend``: seconds without activity before it is paused / suspended;
+        ``lifetime``: seconds before it is deleted; ``snapshot_policy``: its snapshot schedule and
+        retention (e.g. ``{"disk_every": 60, "full_every": "15m", "retention": [...]}``).
         Retrying with the same ``idempotency_key`` returns the same sandbox instead of a second one.
         """
         body: dict[str, Any] = {"template": template}
@@ -137,6 +286,12 @@ class Sandboxes:
             body["env"] = dict(env)
         if metadata:
             body["metadata"] = dict(metadata)
+        for name, value in (("idle_pause_s", idle_pause), ("idle_suspend_s", idle_suspend),
+                            ("lifetime_s", lifetime)):
+            if value is not None:
+                body[name] = value
+        if snapshot_policy is not None:
+            body["snapshot_policy"] = dict(snapshot_policy)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         reply = self._http.json("POST", "/v1/sandboxes", json=body, headers=headers)
         op = Operation.from_json(reply["operation"])
