@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from space import failpoints
 from space.errors import InvalidRequest, NotFound, SnapshotCorrupt
 from space.objstore import ObjectStore, PutResult, check_key
 
@@ -196,6 +197,7 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
         await _progress(on_progress, f"uploaded {art.name}: {result.size} bytes")
     manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=dict(meta),
                         artifacts=tuple(records))
+    await failpoints.hit("artifacts.before_manifest")
     await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.to_json())
     log.info("snapshot uploaded", prefix=prefix, artifacts=len(records), bytes=manifest.total_size,
              store=store.describe())

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from space.errors import InsufficientStorage, InvalidRequest, NotFound
+from space.node import privileged
 from space.node.pool import Pool, check_name
 
 META_FILE = "snapshot.json"
@@ -109,6 +110,10 @@ def check_kind(kind: str) -> str:
 
 async def check_room(pool: Pool, what: str) -> None:
     usage = await pool.usage()
+    if usage["free_bytes"] < MIN_FREE_BYTES:
+        # Space freed by deletions comes back when btrfs commits its transaction: commit, look again.
+        await privileged.run("btrfs", "filesystem", "sync", str(pool.root), check=False)
+        usage = await pool.usage()
     if usage["free_bytes"] < MIN_FREE_BYTES:
         raise InsufficientStorage(
             f"cannot take {what}: the node's pool has {usage['free_bytes'] >> 20} MiB free "

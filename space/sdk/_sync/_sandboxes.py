@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -163,16 +164,19 @@ class Sandbox:
             return self.get_snapshot(str(op.result["snapshot"]))
         if isinstance(named, dict):
             return Snapshot.from_json(named)
-        return self._pending_snapshot(kind)
+        return self._pending_snapshot(kind, op)
 
-    def _pending_snapshot(self, kind: str) -> Snapshot:
-        # The 202 answer names the operation, not the snapshot: the one just asked for is the newest
-        # manual snapshot of that kind still being taken.
-        pending = [s for s in self.snapshots()
-                   if s.status == "creating" and s.kind == kind and s.origin == "manual"]
-        if not pending:
-            raise errors.Internal(f"the {kind} snapshot just asked of sandbox {self.id} is not listed")
-        return max(pending, key=lambda s: s.created_at or "")
+    def _pending_snapshot(self, kind: str, op: Operation) -> Snapshot:
+        # The 202 answer names the operation, not the snapshot. The snapshot row is written in the
+        # operation's transaction, so it is the first manual one of that kind made since then.
+        since = _when(op.raw.get("created_at"))
+        mine = [s for s in self.snapshots() if s.kind == kind and s.origin == "manual"]
+        if since is not None:
+            mine = [s for s in mine if (_when(s.created_at) or since) >= since]
+        if not mine:
+            raise errors.Internal(f"the {kind} snapshot just asked of sandbox {self.id} is not listed",
+                                  operation=op.id)
+        return min(mine, key=lambda s: _when(s.created_at) or _NEVER)
 
     def get_snapshot(self, snapshot_id: str) -> Snapshot:
         return Snapshot.from_json(self._http.json("GET", f"/v1/snapshots/{quote(snapshot_id, safe='')}"))
@@ -247,6 +251,20 @@ class Sandbox:
 
     def list_commands(self) -> builtins.list[JSON]:
         return list((self._http.json("GET", f"{self._path}/commands")).get("commands", []))
+
+
+_NEVER = datetime.max.replace(tzinfo=UTC)
+
+
+def _when(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    # Aware throughout, so comparisons never mix naive and aware (the server writes UTC).
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 class Sandboxes:
