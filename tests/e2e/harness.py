@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tests.waiting import wait_for
+from tests.waiting import wait_for as wait_for  # re-exported: tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 SPACE = str(Path(sys.executable).parent / "space")

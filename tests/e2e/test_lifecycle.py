@@ -3,16 +3,18 @@ full snapshots, rollback, fork, suspend/restore through object storage, crash re
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
+import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.harness import Server, create_sandbox, run, wait_for, wait_operation
+from tests.e2e.harness import Server, create_sandbox, read_events, run, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
 
@@ -212,4 +214,78 @@ def test_a_killed_runtime_without_checkpoint_boots_from_the_disk_snapshot(api: h
     assert snap in ev["message"] and "disk snapshot" in ev["message"] and "restarted" in ev["message"]
     wait_for(lambda: state(api, sid) == "running", 30, "running again")
     assert sh(api, sid, "cat /home/user/f") == "kept\n"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def events_of(api: httpx.Client, sid: str) -> list[dict[str, Any]]:
+    return list(api.get(f"/v1/sandboxes/{sid}/events").json()["events"])
+
+
+def test_an_idle_sandbox_is_paused_and_a_call_resumes_it(api: httpx.Client) -> None:
+    sid = create_sandbox(api, idle_pause_s=3)
+    wait_for(lambda: state(api, sid) == "paused", 60, "the idle sandbox to be paused")
+    assert any(e["kind"] == "idle" for e in events_of(api, sid))
+    assert sh(api, sid, "echo hello") == "hello\n"  # resumed transparently
+    assert state(api, sid) == "running"
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_running_command_keeps_a_sandbox_from_idling(api: httpx.Client) -> None:
+    sid = create_sandbox(api, idle_pause_s=2)
+    r = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "sleep 600"})
+    assert r.status_code == 201
+    # Several policy ticks (every 2 s) past the idle limit: still running, because work is going on.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        assert state(api, sid) == "running"
+        time.sleep(0.5)
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_an_idle_sandbox_is_suspended_and_a_call_restores_it(api: httpx.Client) -> None:
+    sid = create_sandbox(api, idle_suspend_s=4)
+    sh(api, sid, "echo persisted > /home/user/f")
+    wait_for(lambda: state(api, sid) == "suspended", 90, "the idle sandbox to be suspended")
+    assert sh(api, sid, "cat /home/user/f") == "persisted\n"  # restored transparently
+    assert state(api, sid) == "running"
+    kinds = [e["kind"] for e in events_of(api, sid)]
+    assert "suspended" in kinds and "restored" in kinds, kinds
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_scheduled_snapshots_are_taken_and_pruned_by_retention(api: httpx.Client) -> None:
+    policy = {"disk_every": "10s", "full_every": None, "retention": [{"within": "15s", "every": 0}]}
+    sid = create_sandbox(api, snapshot_policy=policy)
+    assert api.get(f"/v1/sandboxes/{sid}").json()["snapshot_policy"]["disk_every"] == 10
+
+    def scheduled() -> list[dict[str, Any]]:
+        snaps = api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]
+        return [s for s in snaps if s["origin"] == "schedule" and s["status"] == "ready"]
+
+    first = wait_for(lambda: scheduled() and scheduled()[0], 60, "a scheduled snapshot")["id"]
+    # Older than the only tier (15 s) and no longer the newest: retention removes it.
+    wait_for(lambda: first not in {s["id"] for s in scheduled()} and scheduled(), 90,
+             "the first scheduled snapshot to be pruned")
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_bad_snapshot_policy_is_a_clear_400(api: httpx.Client) -> None:
+    r = api.post("/v1/sandboxes", json={"template": "base", "snapshot_policy": {"disk_every": "1s"}})
+    assert r.status_code == 400 and "disk_every" in r.json()["error"]["message"], r.text
+
+
+def test_a_command_stream_survives_pause_and_resume_and_reattaches(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    prog = "for i in $(seq 1 40); do echo line$i; sleep 0.1; done"
+    cid = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": prog}).json()["id"]
+    first = read_events(api, sid, cid, limit=5)
+    last_id = first[-1]["id"]
+    act(api, sid, "pause")
+    act(api, sid, "resume")
+    rest = read_events(api, sid, cid, headers={"last-event-id": last_id})
+    ids = [int(e["id"]) for e in first + rest]
+    assert ids == list(range(ids[0], ids[0] + len(ids))), ids  # no gap, no repeat
+    text = b"".join(base64.b64decode(e["data"]["data"]) for e in first + rest if e["event"] == "stdout")
+    assert text.decode().split() == [f"line{i}" for i in range(1, 41)]
+    assert rest[-1]["event"] == "exit" and rest[-1]["data"]["exit_code"] == 0
     api.delete(f"/v1/sandboxes/{sid}")
