@@ -125,8 +125,10 @@ async def restore(sandbox_id: str, who: Auth, st: St, body: RestoreBody | None =
 @router.post("/{sandbox_id}/rollback", status_code=202)
 async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, st: St,
                    idempotency_key: IdemKey = None) -> JSONResponse:
+    from space.api.snapshots import live_snapshot  # the snapshot routes import this module
+
     sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
-    snap = await st.store.get_snapshot(body.snapshot, tenant=who.tenant)
+    snap = await live_snapshot(st, body.snapshot, who.tenant)
     if snap.sandbox_id != sandbox_id:
         raise InvalidRequest(f"snapshot {snap.id} belongs to sandbox {snap.sandbox_id}, not {sandbox_id}; "
                              "fork it to get a sandbox from it")
@@ -147,7 +149,9 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkBody | None = None,
     require(src.state, Action.FORK)
     new_snap: Snapshot | None = None
     if body.snapshot is not None:
-        snap = await st.store.get_snapshot(body.snapshot, tenant=who.tenant)
+        from space.api.snapshots import live_snapshot
+
+        snap = await live_snapshot(st, body.snapshot, who.tenant)
         if snap.sandbox_id != sandbox_id:
             raise InvalidRequest(f"snapshot {snap.id} belongs to sandbox {snap.sandbox_id}, not {sandbox_id}")
         _check_usable(snap)

@@ -11,11 +11,11 @@ from pydantic import BaseModel, Field
 from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
-from space.api.lifecycle import new_snapshot, start_action
+from space.api.lifecycle import enqueue_action, new_snapshot
 from space.api.state import AppState, app_state
-from space.errors import Conflict, InvalidRequest
+from space.errors import Conflict, InvalidRequest, NotFound
 from space.lifecycle import Action
-from space.store import Operation
+from space.store import Operation, Snapshot
 
 router = APIRouter(prefix="/v1")
 
@@ -41,23 +41,35 @@ async def list_snapshots(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
 async def create_snapshot(sandbox_id: str, who: Auth, st: St, body: SnapshotBody | None = None,
                           idempotency_key: IdemKey = None) -> JSONResponse:
     kind = body.kind if body is not None else "disk"
+    who.require_write()
     sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     snap = new_snapshot(sb, kind, "manual")
-    resp = await start_action(st, who, sandbox_id, Action.SNAPSHOT, "snapshot.create",
-                              {"snapshot": snap.id, "kind": kind}, idempotency_key, snapshot=snap)
-    return resp
+    sb, op = await enqueue_action(st, who.tenant, sandbox_id, Action.SNAPSHOT, "snapshot.create",
+                                  {"snapshot": snap.id, "kind": kind}, idempotency_key, snapshot=snap)
+    # An idempotent replay answers with the snapshot of the first request.
+    snap = await st.store.get_snapshot(str(op.request["snapshot"]))
+    return JSONResponse({"sandbox": views.sandbox(sb), "snapshot": views.snapshot(snap),
+                         "operation": views.operation(op)}, status_code=202)
+
+
+async def live_snapshot(st: AppState, snapshot_id: str, tenant: str) -> Snapshot:
+    """A snapshot that exists (a deleted one is NotFound, like a missing one)."""
+    snap = await st.store.get_snapshot(snapshot_id, tenant=tenant)
+    if snap.status == "deleted":
+        raise NotFound(f"snapshot {snapshot_id} was deleted" + (f" ({snap.error})" if snap.error else ""))
+    return snap
 
 
 @router.get("/snapshots/{snapshot_id}")
 async def get_snapshot(snapshot_id: str, who: Auth, st: St) -> dict[str, Any]:
-    return views.snapshot(await st.store.get_snapshot(snapshot_id, tenant=who.tenant))
+    return views.snapshot(await live_snapshot(st, snapshot_id, who.tenant))
 
 
 @router.delete("/sandboxes/{sandbox_id}/snapshots/{snapshot_id}", status_code=202)
 async def delete_snapshot(sandbox_id: str, snapshot_id: str, who: Auth, st: St,
                           idempotency_key: IdemKey = None) -> JSONResponse:
     who.require_write()
-    snap = await st.store.get_snapshot(snapshot_id, tenant=who.tenant)
+    snap = await live_snapshot(st, snapshot_id, who.tenant)
     if snap.sandbox_id != sandbox_id:
         raise InvalidRequest(f"snapshot {snapshot_id} belongs to sandbox {snap.sandbox_id}")
     if await st.store.snapshot_in_use(snapshot_id):

@@ -22,6 +22,7 @@ from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.errors import Conflict, Internal, InvalidState, NotFound, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
+from space.node.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Store
 
@@ -239,10 +240,14 @@ class Controller:
             sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         else:
             node = await self.nodes.client(sb.node_id)
-        info = await node.call(
-            "PUT", f"/v1/sandboxes/{sb.id}",
-            json_body={"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env},
-        )
+        body = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
+        try:
+            info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
+        except NotFound:
+            # A node that joined after the template was built: materialize it there (from the
+            # object store or the host cache when it can, else by building), then create.
+            await self._materialize(op, node, sb.template)
+            info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
         try:
             await self.store.set_sandbox_state(
                 sb.id, State.RUNNING, expect=[State.CREATING],
@@ -252,6 +257,19 @@ class Controller:
             # Deleted meanwhile: the delete operation removes it from the node.
             raise Conflict(f"sandbox {sb.id} was deleted while being created") from None
         return {"sandbox_id": sb.id, "node_id": node.node_id, "timings": info.get("timings", {})}
+
+    async def _materialize(self, op: Operation, node: NodeClient, name: str) -> None:
+        t = await self.store.get_template(name)
+        spec = t.spec or self.template_specs.get(name)
+        if not spec:
+            raise NotFound(f"template {name!r} is not on node {node.node_id} and has no spec to build it from")
+        await self.store.set_operation_progress(op.id, {"message": f"materializing template {name} on {node.node_id}"})
+        async for item in node.ensure_template(spec):
+            if "error" in item:
+                err = item["error"]
+                raise from_wire(500, {"error": {**err, "message": f"node {node.node_id}: {err.get('message')}"}})
+            if "log" in item:
+                await self.store.append_operation_logs(op.id, [str(item["log"])])
 
     async def _wait_template(self, op: Operation, name: str, timeout: float = 1800.0) -> None:
         """A create that arrives while its template is still building waits for the build."""
@@ -313,8 +331,26 @@ class Controller:
 
     # -- reconciliation ---------------------------------------------------------------------
 
+    async def check_nodes(self, down_after: float = 15.0) -> None:
+        """Heartbeat every registered node: a node silent for ``down_after`` seconds is ``down``
+        (not scheduled onto), and ``ready`` again when it answers."""
+        now = time.time()
+        for row in await self.store.list_nodes(None):
+            try:
+                node = await self.nodes.client(row.id)
+                info = await node.call("GET", "/v1/node", timeout=5)
+            except SpaceError:
+                if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
+                    log.warning("node.down", node=row.id)
+                    await self.store.set_node_state(row.id, "down")
+                continue
+            if row.state != "ready":
+                log.info("node.up", node=row.id)
+            await self.store.heartbeat_node(row.id, {"pool": info.get("pool"), "sandboxes": info.get("sandboxes")})
+
     async def reconcile(self) -> None:
         """Converge nodes with the database: remove what nobody wants, flag what died."""
+        await self.check_nodes()
         for node_row in await self.store.list_nodes("ready"):
             try:
                 node = await self.nodes.client(node_row.id)

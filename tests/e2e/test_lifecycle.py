@@ -134,7 +134,11 @@ def test_fork_copies_files_and_processes_then_diverges(api: httpx.Client) -> Non
         assert state(api, f) == "running"
         assert sh(api, f, "cat /home/user/who") == "origin\n"
         start = count(api, f)
-        wait_for(lambda f=f, start=start: count(api, f) > start, 30, "the fork's counter to continue")
+
+        def moved(f: str = f, start: int = start) -> bool:
+            return count(api, f) > start
+
+        wait_for(moved, 30, "the fork's counter to continue")
         sh(api, f, f"echo fork{i} > /home/user/who")
     # Each diverged on its own; the source kept running and kept its file.
     assert sh(api, sid, "cat /home/user/who") == "origin\n"
@@ -262,7 +266,11 @@ def test_scheduled_snapshots_are_taken_and_pruned_by_retention(api: httpx.Client
         snaps = api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]
         return [s for s in snaps if s["origin"] == "schedule" and s["status"] == "ready"]
 
-    first = wait_for(lambda: scheduled() and scheduled()[0], 60, "a scheduled snapshot")["id"]
+    def oldest() -> str | None:
+        found = scheduled()
+        return str(found[0]["id"]) if found else None
+
+    first = wait_for(oldest, 60, "a scheduled snapshot")
     # Older than the only tier (15 s) and no longer the newest: retention removes it.
     wait_for(lambda: first not in {s["id"] for s in scheduled()} and scheduled(), 90,
              "the first scheduled snapshot to be pruned")
