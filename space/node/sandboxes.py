@@ -83,6 +83,8 @@ class SandboxManager:
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._guests: dict[str, GuestConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Old instances being removed in the background (after a rollback or recovery).
+        self._reaping: set[asyncio.Task[None]] = set()
         channel_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -136,6 +138,8 @@ class SandboxManager:
             elif sb.status != "stopping":
                 sb.status = "dead"
             self._sandboxes[sb.id] = sb
+            for trash in d.glob("trash-*"):  # a rollback's old root, whose removal was cut short
+                await self.pool.delete_subvolume(trash)
             log.info("sandbox.recovered", sandbox=sb.id, status=sb.status, instance=sb.instance_id)
         for inst in instances:
             if inst not in known:
@@ -254,6 +258,8 @@ class SandboxManager:
         log.info("sandbox.destroyed", sandbox=sb.id)
 
     async def close(self) -> None:
+        if self._reaping:
+            await asyncio.gather(*self._reaping, return_exceptions=True)
         for conn in list(self._guests.values()):
             await conn.close()
         self._guests.clear()
@@ -454,8 +460,11 @@ class SandboxManager:
             owner = source or sandbox_id
             snap = snapshots.get(self.pool, owner, snap_id)
             t0 = time.perf_counter()
-            await self._stop_instance(sb)
             rootfs = self._dir(sandbox_id) / "rootfs"
+            # The old instance is killed now and removed in the background (runsc delete takes
+            # over a second); its root moves aside first, so the new root takes its place at once.
+            trash = self._dir(sandbox_id) / f"trash-{sb.instance_id or 'none'}"
+            await self._stop_instance(sb, defer_to=trash if rootfs.exists() else None)
             await self.pool.delete_subvolume(rootfs)
             await self.pool.snapshot(snapshots.rootfs_of(self.pool, owner, snap_id), rootfs)
             sb.instance_id = ids.instance_id(sandbox_id)
@@ -573,17 +582,37 @@ class SandboxManager:
             await self.driver.stop(sb.instance_id, self._workdir(sb))
         await self.pool.delete_subvolume(self._dir(sandbox_id))
 
-    async def _stop_instance(self, sb: LocalSandbox) -> None:
+    async def _stop_instance(self, sb: LocalSandbox, *, defer_to: Path | None = None) -> None:
+        """Stop the sandbox's instance. With ``defer_to``: kill it, move its root there, and leave
+        the slow part (runsc delete, removing the old root) to a background task."""
         conn = self._guests.pop(sb.id, None)
         if conn is not None:
             await conn.close()
-        if sb.instance_id:
-            await self.driver.stop(sb.instance_id, self._workdir(sb))
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(shutil.rmtree, self._workdir(sb), True)
+        old, workdir = sb.instance_id, (self._workdir(sb) if sb.instance_id else None)
         sb.status = "dead"
         sb.channel = None
         self._save(sb)
+        if old is None or workdir is None:
+            return
+        if defer_to is None:
+            await self.driver.stop(old, workdir)
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            return
+        await self.driver.kill(old)
+        await self.pool.delete_subvolume(defer_to)  # a retry's leftover of the same instance
+        await asyncio.to_thread(os.rename, self._dir(sb.id) / "rootfs", defer_to)
+
+        async def reap() -> None:
+            try:
+                await self.driver.stop(old, workdir)
+                await asyncio.to_thread(shutil.rmtree, workdir, True)
+                await self.pool.delete_subvolume(defer_to)
+            except SpaceError as exc:  # the next start's recover() finishes the job
+                log.warning("instance.reap_failed", instance=old, error=str(exc))
+
+        task = asyncio.create_task(reap())
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
 
 

@@ -51,6 +51,9 @@ class RuntimeDriver(Protocol):
     async def checkpoint(self, instance_id: str, image: Path) -> None:
         """Write the instance's memory state to ``image``, leaving it running (or paused) as it was."""
 
+    async def kill(self, instance_id: str) -> None:
+        """Kill every process of the instance at once; it still needs :meth:`stop`."""
+
     async def stop(self, instance_id: str, workdir: Path) -> None:
         """Kill and remove the instance; idempotent (an unknown instance is not an error)."""
 
