@@ -8,6 +8,7 @@ State changes go through :func:`space.lifecycle.transition` inside the store (``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -39,6 +40,7 @@ class LifecycleOps:
         self.store = store
         self.nodes = nodes
         self.objects = objects
+        self._background: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[str, Any]:
         return {
@@ -99,16 +101,29 @@ class LifecycleOps:
         node = await self._node_of(sb)
         info = await node.call("PUT", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}",
                                json_body={"kind": snap.kind}, timeout=LONG)
-        return await self.store.update_snapshot(
-            snap.id, status="ready", restorable=True, node_id=sb.node_id, size_bytes=info.get("size_bytes"),
+        snap = await self.store.update_snapshot(
+            snap.id, status="ready", restorable=True, node_id=sb.node_id,
             meta={k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")},
         )
+        # Its size needs a walk of the tree: filled in after the operation answers.
+        task = asyncio.create_task(self._fill_size(node, sb.id, snap.id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return snap
+
+    async def _fill_size(self, node: NodeClient, sandbox_id: str, snap_id: str) -> None:
+        try:
+            res = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/snapshots/{snap_id}/size", timeout=LONG)
+            if res.get("size_bytes") is not None:
+                await self.store.update_snapshot(snap_id, size_bytes=int(res["size_bytes"]))
+        except SpaceError as exc:
+            log.info("snapshot.size_unknown", snapshot=snap_id, error=str(exc))
 
     async def create_snapshot(self, op: Operation) -> dict[str, Any]:
         snap = await self.store.get_snapshot(op.request["snapshot"])
         sb = await self.store.get_sandbox(op.target)
         snap = await self._take(sb, snap)
-        return {"snapshot": snap.id, "kind": snap.kind, "size_bytes": snap.size_bytes}
+        return {"snapshot": snap.id, "kind": snap.kind}
 
     async def delete_snapshot(self, op: Operation) -> dict[str, Any]:
         snap = await self.store.get_snapshot(op.request["snapshot"])

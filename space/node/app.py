@@ -228,7 +228,12 @@ def create_node_app(
     @r.put("/sandboxes/{sandbox_id}/snapshots/{snap_id}")
     async def take_snapshot(sandbox_id: str, snap_id: str, body: SnapshotRequest) -> dict[str, Any]:
         snap = await manager.take_snapshot(sandbox_id, snap_id, body.kind, stay_paused=body.stay_paused)
-        return snapshot_view(snap, await manager.snapshot_size(sandbox_id, snap_id))
+        # The size takes a walk of the tree (``btrfs filesystem du``): asked for separately.
+        return snapshot_view(snap)
+
+    @r.get("/sandboxes/{sandbox_id}/snapshots/{snap_id}/size")
+    async def snapshot_size(sandbox_id: str, snap_id: str) -> dict[str, Any]:
+        return {"size_bytes": await manager.snapshot_size(sandbox_id, snap_id)}
 
     @r.delete("/sandboxes/{sandbox_id}/snapshots/{snap_id}", status_code=204)
     async def delete_snapshot(sandbox_id: str, snap_id: str) -> Response:
