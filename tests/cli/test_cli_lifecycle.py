@@ -95,7 +95,7 @@ def test_pause_snapshots_rollback_and_events(cli: Cli, sandbox: str) -> None:
     cli("snapshot", "delete", sid, full)
     assert full not in {s["id"] for s in json.loads(cli("snapshot", "list", sid, "--json").stdout)}
     gone = cli("sandbox", "rollback", sid, full, check=False)
-    assert gone.exit_code == 1 and gone.stderr.startswith(f"error: conflict: snapshot {full} is deleted")
+    assert gone.exit_code == 1 and gone.stderr.startswith(f"error: not_found: snapshot {full} was deleted")
 
     events = json.loads(cli("sandbox", "events", sid, "--json").stdout)
     kinds = [e["kind"] for e in events]

@@ -297,3 +297,10 @@ def test_a_command_stream_survives_pause_and_resume_and_reattaches(api: httpx.Cl
     assert text.decode().split() == [f"line{i}" for i in range(1, 41)]
     assert rest[-1]["event"] == "exit" and rest[-1]["data"]["exit_code"] == 0
     api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_sandbox_with_a_lifetime_is_deleted_when_it_runs_out(api: httpx.Client) -> None:
+    sid = create_sandbox(api, lifetime_s=3)
+    assert api.get(f"/v1/sandboxes/{sid}").json()["expires_at"]
+    wait_for(lambda: state(api, sid) == "terminated", 60, "the sandbox to reach its lifetime")
+    assert any(e["kind"] == "expired" for e in events_of(api, sid))
