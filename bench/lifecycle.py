@@ -267,14 +267,14 @@ def bench_disk_snapshots(b: Bench, sizes_mb: tuple[int, ...], n: int) -> dict[st
             held = b.du(root)
             lat: list[float] = []
             added: list[float] = []
-            at_creation: list[float] = []
+            node_ms: list[float] = []
             snaps: list[str] = []
             for _ in range(n):
                 ms, op = b.act(f"/v1/sandboxes/{sid}/snapshots", {"kind": "disk"})
                 snap = str(op["result"]["snapshot"])
                 snaps.append(snap)
                 lat.append(ms)
-                at_creation.append(float(op["result"]["size_bytes"] or 0))
+                node_ms.append(float(b.get(f"/v1/snapshots/{snap}")["details"]["took_ms"]))
                 # A 1 MiB change: the small file rewritten whole, so its old extent is the snapshot's alone.
                 b.sh(sid, "dd if=/dev/urandom of=/home/user/small bs=1M count=1 status=none && sync")
                 b.fs_sync()
@@ -282,8 +282,7 @@ def bench_disk_snapshots(b: Bench, sizes_mb: tuple[int, ...], n: int) -> dict[st
             never = _copy_root(b, root, "never")
             always = _copy_root(b, root, "always")
             out[str(size)] = {
-                "root_bytes": held, "fill_s": fill_s, "snapshot_ms": summary(lat),
-                "snapshot_size_bytes_at_creation": summary(at_creation),
+                "root_bytes": held, "fill_s": fill_s, "snapshot_ms": summary(lat), "node_took_ms": summary(node_ms),
                 "snapshot_exclusive_after_1mib_change": summary(added),
                 "cp_reflink_never": never, "cp_reflink_always": always,
                 "ratio_vs_copy_p50": pct(lat, .5) / never["cp_sync_ms"],
@@ -366,7 +365,6 @@ def bench_full_checkpoint(b: Bench, mem_sizes_mb: tuple[int, ...], n: int) -> di
             freeze: list[float] = []
             took: list[float] = []
             image: list[float] = []
-            size: list[float] = []
             rb_timings: list[dict[str, float]] = []
             raw: list[dict[str, Any]] = []
             for _ in range(n):
@@ -376,7 +374,6 @@ def bench_full_checkpoint(b: Bench, mem_sizes_mb: tuple[int, ...], n: int) -> di
                 freeze.append(float(snap["details"]["freeze_ms"]))
                 took.append(float(snap["details"]["took_ms"]))
                 image.append(float(snap["details"]["image_bytes"]))
-                size.append(float(snap["size_bytes"] or 0))
                 ms, op = b.act(f"/v1/sandboxes/{sid}/rollback", {"snapshot": snap["id"]})
                 rb_ms.append(ms)
                 rb_timings.append(op["result"].get("timings") or {})
@@ -392,7 +389,7 @@ def bench_full_checkpoint(b: Bench, mem_sizes_mb: tuple[int, ...], n: int) -> di
             out[str(mem)] = {
                 "snapshot_ms": summary(snap_ms), "rollback_ms": summary(rb_ms),
                 "freeze_ms": summary(freeze), "node_took_ms": summary(took),
-                "image_bytes": summary(image), "size_bytes": summary(size),
+                "image_bytes": summary(image),
                 "rollback_breakdown_ms_p50": {k: pct([t[k] for t in rb_timings if k in t], .5) for k in keys},
                 "runsc_checkpoint_ms": summary(raw_ckpt),
                 "runsc_restore_ms": summary(raw_restore) if raw_restore else None,
@@ -460,24 +457,34 @@ def bench_fork(b: Bench, counts: tuple[tuple[int, int], ...]) -> dict[str, Any]:
 # -- 5. suspend / restore ----------------------------------------------------------------------
 
 
-def _naive_upload(b: Bench, root: Path) -> dict[str, float]:
-    """What suspend replaces: the whole root filesystem, tar'd and zstd-compressed (the same level
-    suspend uses), written next to the object store."""
+def _naive_round_trip(b: Bench, root: Path) -> dict[str, float]:
+    """What suspend/restore replaces: the whole root filesystem tar'd and zstd-compressed (the level
+    suspend uses) into a file next to the object store, then unpacked into a fresh subvolume.
+    Files only (no processes), no fsync: both favour the baseline."""
     dst = b.srv.data_dir / "bench-naive.tar.zst"
-    t0 = time.perf_counter()
-    with open(dst, "wb") as f:
-        tar = subprocess.Popen(["tar", "-C", str(root), "--numeric-owner", "--warning=no-file-changed",
-                                "-cf", "-", "."], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert tar.stdout is not None
-        zstd = subprocess.run(["zstd", "-T0", "-3", "-q", "-c"], stdin=tar.stdout, stdout=f, check=False)
-        tar.stdout.close()
-        tar_rc = tar.wait()
-    ms = ms_since(t0)
-    size = dst.stat().st_size
-    dst.unlink()
-    if tar_rc not in (0, 1) or zstd.returncode != 0:  # tar exits 1 when a file changed while read
-        raise RuntimeError(f"tar|zstd of {root} failed: tar {tar_rc}, zstd {zstd.returncode}")
-    return {"ms": ms, "bytes": float(size)}
+    back = b.scratch / "bench-untar"
+    try:
+        t0 = time.perf_counter()
+        with open(dst, "wb") as f:
+            tar = subprocess.Popen(["tar", "-C", str(root), "--numeric-owner", "--warning=no-file-changed",
+                                    "-cf", "-", "."], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            assert tar.stdout is not None
+            zstd = subprocess.run(["zstd", "-T0", "-3", "-q", "-c"], stdin=tar.stdout, stdout=f, check=False)
+            tar.stdout.close()
+            tar_rc = tar.wait()
+        up_ms = ms_since(t0)
+        if tar_rc not in (0, 1) or zstd.returncode != 0:  # tar exits 1 when a file changed while read
+            raise RuntimeError(f"tar|zstd of {root} failed: tar {tar_rc}, zstd {zstd.returncode}")
+        b.drop_subvolume(back)
+        subprocess.run(["btrfs", "-q", "subvolume", "create", str(back)], check=True, capture_output=True)
+        t0 = time.perf_counter()
+        subprocess.run(["bash", "-o", "pipefail", "-c", 'zstd -d -q -c -- "$1" | tar -C "$2" --numeric-owner -xf -',
+                        "untar", str(dst), str(back)], check=True, capture_output=True)
+        down_ms = ms_since(t0)
+        return {"upload_ms": up_ms, "bytes": float(dst.stat().st_size), "download_ms": down_ms}
+    finally:
+        dst.unlink(missing_ok=True)
+        b.drop_subvolume(back)
 
 
 def bench_suspend_restore(b: Bench, n: int, change_mb: int, naive_n: int) -> dict[str, Any]:
@@ -487,7 +494,7 @@ def bench_suspend_restore(b: Bench, n: int, change_mb: int, naive_n: int) -> dic
         sid = b.sandbox()
         ids.append(sid)
         b.sh(sid, f"dd if=/dev/urandom of=/home/user/change bs=1M count={change_mb} status=none && sync")
-        naive = [_naive_upload(b, b.root(sid)) for _ in range(naive_n)]
+        naive = [_naive_round_trip(b, b.root(sid)) for _ in range(naive_n)]
 
         def round_trip() -> dict[str, Any]:
             s_ms, s_op = b.act(f"/v1/sandboxes/{sid}/suspend")
@@ -506,7 +513,8 @@ def bench_suspend_restore(b: Bench, n: int, change_mb: int, naive_n: int) -> dic
     res = [r["restore_ms"] for r in reps]
     up = [float(r["uploaded_bytes"]) for r in reps]
     keys = reps[0]["restore_timings"].keys() if reps else []
-    naive_ms = [x["ms"] for x in naive]
+    naive_ms = [x["upload_ms"] for x in naive]
+    naive_rt = [x["upload_ms"] + x["download_ms"] for x in naive]
     naive_bytes = naive[0]["bytes"]
     return {
         "change_mb": change_mb, "first_round_trip": first,
@@ -517,7 +525,9 @@ def bench_suspend_restore(b: Bench, n: int, change_mb: int, naive_n: int) -> dic
         "image_bytes": summary([float(r["image_bytes"]) for r in reps]),
         "restore_breakdown_ms_p50": {k: pct([r["restore_timings"][k] for r in reps], .5) for k in keys},
         "naive_tar_zstd_ms": summary(naive_ms), "naive_tar_zstd_bytes": naive_bytes,
+        "naive_untar_ms": summary([x["download_ms"] for x in naive]), "naive_round_trip_ms": summary(naive_rt),
         "ratio_suspend_time_p50": pct(sus, .5) / pct(naive_ms, .5),
+        "ratio_round_trip_p50": pct([a + c for a, c in zip(sus, res, strict=True)], .5) / pct(naive_rt, .5),
         "ratio_bytes_p50": pct(up, .5) / naive_bytes,
     }
 
@@ -592,10 +602,10 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
                          f"{_mib(nv['exclusive_bytes'])} (the copy)",
                          d["snapshot_exclusive_after_1mib_change"]["p50"] / max(nv["exclusive_bytes"], 1),
                          fmt="{:.2f}"))
-        notes.append(f"disk snapshot {gib:.2f} GiB: root filled from inside in {d['fill_s']:.0f} s; "
+        notes.append(f"disk snapshot {gib:.2f} GiB: node side (btrfs snapshot) p50 {d['node_took_ms']['p50']:.0f} ms; "
+                     f"root filled from inside in {d['fill_s']:.0f} s; "
                      f"`cp --reflink=never` {nv['cp_ms']:.0f} ms + sync = {nv['cp_sync_ms']:.0f} ms, "
-                     f"`--reflink=always` {al['cp_ms']:.0f} ms + sync = {al['cp_sync_ms']:.0f} ms; "
-                     f"size_bytes reported at creation p50 {d['snapshot_size_bytes_at_creation']['p50']:.0f} B")
+                     f"`--reflink=always` {al['cp_ms']:.0f} ms + sync = {al['cp_sync_ms']:.0f} ms")
     for mem, d in (res.get("full_checkpoint") or {}).items():
         rc, rr = d["runsc_checkpoint_ms"], d["runsc_restore_ms"]
         rows.append(_row(f"full checkpoint, {mem} MB touched memory (ms)", d["snapshot_ms"],
@@ -618,15 +628,19 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
                          fmt="{:.0f}"))
         rows.append(_row(f"space each fork's root adds, x{count} (MiB)", _mib_summary(d["fork_root_exclusive_bytes"]),
                          f"{_mib(d['source_root']['total'])} (a full copy of the root)",
-                         d["fork_root_exclusive_bytes"]["p50"] / d["source_root"]["total"], fmt="{:.2f}"))
+                         d["fork_root_exclusive_bytes"]["p50"] / d["source_root"]["total"], fmt="{:.3f}"))
         notes.append(f"fork x{count}: plus the memory image each fork request checkpoints, p50 "
                      f"{_mib(d['fork_image_bytes']['p50'])} MiB (shared by its forks)")
     if sr := res.get("suspend_restore"):
         nz = sr["naive_tar_zstd_ms"]
         rows.append(_row(f"suspend, {sr['change_mb']} MiB changed (ms)", sr["suspend_ms"],
                          f"{nz['p50']:.0f} (tar\\|zstd of the root)", sr["ratio_suspend_time_p50"], fmt="{:.0f}"))
-        rows.append(_row("restore from object storage (ms)", sr["restore_ms"], fmt="{:.0f}"))
-        rows.append(_row("suspend → restore round trip (ms)", sr["round_trip_ms"], fmt="{:.0f}"))
+        rows.append(_row("restore from object storage (ms)", sr["restore_ms"],
+                         f"{sr['naive_untar_ms']['p50']:.0f} (zstd -d\\|tar -x, files only)",
+                         sr["restore_ms"]["p50"] / sr["naive_untar_ms"]["p50"], fmt="{:.0f}"))
+        rows.append(_row("suspend → restore round trip (ms)", sr["round_trip_ms"],
+                         f"{sr['naive_round_trip_ms']['p50']:.0f} (tar+untar)", sr["ratio_round_trip_p50"],
+                         fmt="{:.0f}"))
         rows.append(_row("bytes uploaded per suspend (MiB)", _mib_summary(sr["uploaded_bytes"]),
                          f"{_mib(sr['naive_tar_zstd_bytes'])} (tar.zst of the root)", sr["ratio_bytes_p50"],
                          fmt="{:.1f}"))

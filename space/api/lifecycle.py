@@ -133,8 +133,8 @@ async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, st: St,
         raise InvalidRequest(f"snapshot {snap.id} belongs to sandbox {snap.sandbox_id}, not {sandbox_id}; "
                              "fork it to get a sandbox from it")
     _check_usable(snap)
-    if snap.node_id is None or snap.node_id != sb.node_id:
-        raise Conflict(f"snapshot {snap.id} is not on the node that runs {sandbox_id}")
+    if snap.node_id != sb.node_id and snap.object_key is None:
+        raise Conflict(f"snapshot {snap.id} is not on the node that runs {sandbox_id} nor in object storage")
     return await start_action(st, who, sandbox_id, Action.ROLLBACK, "sandbox.rollback", {"snapshot": snap.id},
                               idempotency_key)
 

@@ -30,6 +30,10 @@ log = structlog.get_logger("space.controller")
 
 Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
 
+#: A sandbox whose runtime dies this often within the window is failed instead of recovered again.
+MAX_CRASHES = 3
+CRASH_WINDOW = 600.0
+
 #: How many times a retryable failure (node unreachable, timeout) is retried before giving up.
 MAX_ATTEMPTS = 5
 
@@ -391,11 +395,22 @@ class Controller:
         sb = await self.store.get_sandbox(sandbox_id)
         if sb.state not in (State.RUNNING, State.PAUSED):
             return State(sb.state)
+        failure = None
         if cause == "oom":
+            failure = f"sandbox {sandbox_id} ran out of memory (limit {sb.memory_mb} MiB) and was killed"
+        else:
+            since = time.time() - CRASH_WINDOW
+            crashes = [e for e in await self.store.list_events(sandbox_id)
+                       if e.kind == "crashed" and e.at.timestamp() >= since]
+            if len(crashes) >= MAX_CRASHES:
+                # Coming back would only die again: stop the loop, say why.
+                failure = (f"sandbox {sandbox_id}'s runtime died {len(crashes) + 1} times in "
+                           f"{CRASH_WINDOW // 60:.0f} minutes ({cause}); it is not recovered again")
+        if failure is not None:
             try:
-                sb = await self.store.set_sandbox_state(
-                    sandbox_id, State.FAILED, expect=[sb.state], error_code="runtime_error",
-                    error_message=f"sandbox {sandbox_id} ran out of memory (limit {sb.memory_mb} MiB) and was killed")
+                sb = await self.store.set_sandbox_state(sandbox_id, State.FAILED, expect=[sb.state],
+                                                        error_code="runtime_error", error_message=failure)
+                await self.store.add_event(sandbox_id, sb.tenant, "failed", failure, {"cause": cause})
             except InvalidState:
                 sb = await self.store.get_sandbox(sandbox_id)
             return State(sb.state)

@@ -158,9 +158,18 @@ class LifecycleOps:
         await self.store.update_snapshot(snap_id, status="ready", restorable=True, object_key=prefix,
                                          node_id=None, size_bytes=res.get("bytes"),
                                          meta={"uploaded_bytes": res.get("bytes"), "artifacts": res.get("artifacts")})
+        # The user's own snapshots travel with the sandbox; the schedule's stay behind (the
+        # suspend snapshot is newer than all of them).
         for other in await self.store.list_snapshots(sandbox_id=sb.id, node_id=sb.node_id,
                                                      statuses=["creating", "ready"]):
-            if other.id != snap_id and other.object_key is None:
+            if other.id == snap_id or other.object_key is not None:
+                continue
+            if other.origin == "manual" and other.status == "ready":
+                key = object_prefix(sb, other.id)
+                await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{other.id}/upload",
+                                json_body={"prefix": key}, timeout=LONG)
+                await self.store.update_snapshot(other.id, object_key=key, node_id=None)
+            else:
                 await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
                                                  error="evicted from its node when the sandbox was suspended")
         old_node = sb.node_id
@@ -252,11 +261,15 @@ class LifecycleOps:
 
     async def _reset(self, sb: Sandbox, snap: Snapshot, op: Operation) -> dict[str, Any]:
         node = await self._node_of(sb)
-        if snap.node_id != sb.node_id:
-            raise Conflict(f"snapshot {snap.id} is not on node {sb.node_id}")
+        remote = snap.node_id != sb.node_id
+        if remote and snap.object_key is None:
+            raise Conflict(f"snapshot {snap.id} is neither on node {sb.node_id} nor in object storage")
         result: dict[str, Any] = await node.call(
             "POST", f"/v1/sandboxes/{sb.id}/rollback",
-            json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id}, timeout=LONG)
+            json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id,
+                       "prefix": snap.object_key if remote else None}, timeout=LONG)
+        if remote:
+            await self.store.update_snapshot(snap.id, node_id=sb.node_id)  # now on this node too
         return result
 
     async def rollback_failed(self, op: Operation, exc: SpaceError) -> None:

@@ -79,6 +79,12 @@ class RollbackRequest(BaseModel):
     source: str | None = None
     #: A retried request with the same token is not applied twice.
     token: str | None = None
+    #: Where the snapshot is in object storage, when it is not on this node.
+    prefix: str | None = Field(None, max_length=512)
+
+
+class UploadRequest(BaseModel):
+    prefix: str = Field(..., min_length=1, max_length=512)
 
 
 class RebootRequest(BaseModel):
@@ -242,8 +248,15 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/rollback")
     async def rollback(sandbox_id: str, body: RollbackRequest) -> dict[str, Any]:
+        owner = body.source or sandbox_id
+        if body.prefix and snapshots.read(manager.pool, owner, body.snapshot) is None:
+            await manager.fetch_snapshot(owner, body.snapshot, body.prefix)
         sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source)
         return sandbox_view(sb)
+
+    @r.post("/sandboxes/{sandbox_id}/snapshots/{snap_id}/upload")
+    async def upload_snapshot(sandbox_id: str, snap_id: str, body: UploadRequest) -> dict[str, Any]:
+        return await manager.upload_snapshot(sandbox_id, snap_id, body.prefix)
 
     @r.post("/sandboxes/{sandbox_id}/reboot")
     async def reboot(sandbox_id: str, body: RebootRequest) -> dict[str, Any]:

@@ -544,14 +544,30 @@ class SandboxManager:
                       on_progress: shipping.Progress | None = None) -> dict[str, Any]:
         """Freeze, take a full snapshot and ship it (template first, then artifacts, then manifest).
         The sandbox stays paused here: the caller evicts it once the snapshot is recorded."""
+        await self.take_snapshot(sandbox_id, snap_id, "full", stay_paused=True)
+        return await self.upload_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
+
+    async def upload_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
+                              on_progress: shipping.Progress | None = None) -> dict[str, Any]:
+        """Ship one of the sandbox's snapshots to object storage (its template first)."""
         objects = self._objects()
-        sb = self.get(sandbox_id)
-        snap = await self.take_snapshot(sandbox_id, snap_id, "full", stay_paused=True)
-        info = await self.templates.publish(objects, sb.template, sb.template_digest, on_progress=on_progress)
-        root = self.pool.template_path(sb.template, sb.template_digest)
+        snap = snapshots.get(self.pool, sandbox_id, snap_id)
+        info = await self.templates.publish(objects, snap.template, snap.template_digest, on_progress=on_progress)
+        root = self.pool.template_path(snap.template, snap.template_digest)
         return await shipping.upload(objects, prefix, self.pool, snap, root,
                                      {"template_spec": info.spec, "sandbox_id": sandbox_id},
                                      on_progress=on_progress)
+
+    async def fetch_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
+                             on_progress: shipping.Progress | None = None) -> snapshots.LocalSnapshot:
+        """Bring one of the sandbox's shipped snapshots back onto this node (template first)."""
+        objects = self._objects()
+        manifest = await read_manifest(objects, prefix)
+        spec = manifest.meta.get("template_spec") or {}
+        if not spec:
+            raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest names no template", snapshot_id=snap_id)
+        await self.templates.ensure(spec, on_progress=on_progress)
+        return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress)
 
     async def restore(self, sandbox_id: str, snap_id: str, prefix: str, *, token: str | None = None,
                       on_progress: shipping.Progress | None = None) -> LocalSandbox:
@@ -561,14 +577,8 @@ class SandboxManager:
         existing = self._sandboxes.get(sandbox_id)
         if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
             return existing
-        objects = self._objects()
         try:
-            manifest = await read_manifest(objects, prefix)
-            spec = manifest.meta.get("template_spec") or {}
-            if not spec:
-                raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest names no template", snapshot_id=snap_id)
-            await self.templates.ensure(spec, on_progress=on_progress)
-            snap = await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress)
+            snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
             await self.adopt_snapshot(sandbox_id, snap)
             return await self.rollback(sandbox_id, snap_id, token=token)
         except BaseException:

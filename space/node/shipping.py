@@ -68,7 +68,8 @@ async def upload(
     meta: dict[str, Any],
     on_progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Ship a full snapshot: every artifact, then the manifest (the commit point)."""
+    """Ship a snapshot: its files as a delta against the template, its memory image (full ones),
+    then the manifest (the commit point)."""
     root = snapshots.rootfs_of(pool, snap.sandbox_id, snap.id)
     image = snapshots.image_of(pool, snap.sandbox_id, snap.id)
     arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root))]
@@ -122,7 +123,10 @@ async def download(
         if not await pool.is_subvolume(d / "rootfs"):
             raise SnapshotCorrupt(f"snapshot {snap_id}: its stream did not contain the root filesystem",
                                   snapshot_id=snap_id)
-        await asyncio.to_thread(snapshots.move_files, incoming / "checkpoint", d / "checkpoint")
+        if raw.get("kind") == "full":
+            if not (incoming / "checkpoint").is_dir():
+                raise SnapshotCorrupt(f"snapshot {snap_id}: its memory image is missing", snapshot_id=snap_id)
+            await asyncio.to_thread(snapshots.move_files, incoming / "checkpoint", d / "checkpoint")
         fields = {k: v for k, v in raw.items() if k in snapshots.LocalSnapshot.__dataclass_fields__}
         snap = snapshots.LocalSnapshot(**{**fields, "sandbox_id": sandbox_id})
         snapshots.commit(pool, snap)

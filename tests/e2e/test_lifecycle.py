@@ -304,3 +304,18 @@ def test_a_sandbox_with_a_lifetime_is_deleted_when_it_runs_out(api: httpx.Client
     assert api.get(f"/v1/sandboxes/{sid}").json()["expires_at"]
     wait_for(lambda: state(api, sid) == "terminated", 60, "the sandbox to reach its lifetime")
     assert any(e["kind"] == "expired" for e in events_of(api, sid))
+
+
+def test_manual_snapshots_travel_with_a_suspended_sandbox(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    sh(api, sid, "echo v1 > /home/user/f")
+    disk = snapshot(api, sid, "disk")
+    sh(api, sid, "echo v2 > /home/user/f")
+    act(api, sid, "suspend")
+    listed = {s["id"]: s for s in api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]}
+    assert listed[disk]["restorable"] and listed[disk]["location"] == ["object_store"], listed[disk]
+    act(api, sid, "restore")
+    assert sh(api, sid, "cat /home/user/f") == "v2\n"
+    act(api, sid, "rollback", {"snapshot": disk})
+    assert sh(api, sid, "cat /home/user/f") == "v1\n"
+    api.delete(f"/v1/sandboxes/{sid}")
