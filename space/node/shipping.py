@@ -73,7 +73,7 @@ async def upload(
     root = snapshots.rootfs_of(pool, snap.sandbox_id, snap.id)
     image = snapshots.image_of(pool, snap.sandbox_id, snap.id)
     arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root))]
-    for f in sorted(image.iterdir()):
+    for f in sorted(image.iterdir()) if snap.kind == "full" else []:
         arts.append(Artifact(name=f"checkpoint/{f.name}", path=f))
     manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": snap.public()},
                                      on_progress=on_progress)
