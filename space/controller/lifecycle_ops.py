@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 import structlog
@@ -41,6 +42,8 @@ class LifecycleOps:
         self.nodes = nodes
         self.objects = objects
         self._background: set[asyncio.Task[None]] = set()
+        #: Node copies of just-suspended sandboxes being removed; a restore waits for its own.
+        self._evictions: dict[str, asyncio.Task[None]] = {}
 
     def handlers(self) -> dict[str, Any]:
         return {
@@ -106,10 +109,21 @@ class LifecycleOps:
             meta={k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")},
         )
         # Its size needs a walk of the tree: filled in after the operation answers.
-        task = asyncio.create_task(self._fill_size(node, sb.id, snap.id))
+        self._spawn(self._fill_size(node, sb.id, snap.id))
+        return snap
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return snap
+
+    async def _evict(self, node: NodeClient, sandbox_id: str) -> None:
+        try:
+            await node.call("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout=LONG)
+        except SpaceError as exc:
+            log.warning("sandbox.evict_failed", sandbox=sandbox_id, error=str(exc))
+        finally:
+            self._evictions.pop(sandbox_id, None)
 
     async def _fill_size(self, node: NodeClient, sandbox_id: str, snap_id: str) -> None:
         try:
@@ -178,9 +192,9 @@ class LifecycleOps:
         await self.event(sb, "suspended", f"suspended to object storage as snapshot {snap_id} "
                          f"({(res.get('bytes') or 0) / 1e6:.1f} MB uploaded)", snapshot=snap_id, node=old_node,
                          reason="idle" if op.request.get("idle") else "request")
-        # Only now may the node's copy go; if this fails, reconcile removes it (nobody wants it).
-        with contextlib.suppress(SpaceError):
-            await node.call("DELETE", f"/v1/sandboxes/{sb.id}")
+        # Only now may the node's copy go. It is not waited for (removing a runtime instance takes
+        # over a second); if it fails, reconcile removes the copy: nobody wants it any more.
+        self._evictions[sb.id] = asyncio.create_task(self._evict(node, sb.id))
         return {"sandbox_id": sb.id, "snapshot": snap_id, "uploaded_bytes": res.get("bytes")}
 
     async def suspend_failed(self, op: Operation, exc: SpaceError) -> None:
@@ -214,6 +228,9 @@ class LifecycleOps:
         if not snap.restorable or snap.object_key is None:
             raise SnapshotCorrupt(f"snapshot {snap.id} was never completely uploaded; it cannot be restored",
                                   snapshot_id=snap.id)
+        pending = self._evictions.get(sb.id)
+        if pending is not None:
+            await asyncio.shield(pending)  # the old copy must be gone before a new one arrives
         if sb.node_id is not None:
             node = await self.nodes.client(sb.node_id)
         elif op.request.get("node"):
