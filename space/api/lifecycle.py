@@ -20,7 +20,7 @@ from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
 from space.errors import Conflict, InvalidRequest, InvalidState
 from space.lifecycle import ACTION_TARGET, Action, State, require
-from space.store import Operation, Sandbox, Snapshot
+from space.store import Operation, Sandbox, Snapshot, new_snapshot
 
 router = APIRouter(prefix="/v1/sandboxes")
 
@@ -188,12 +188,6 @@ async def events(sandbox_id: str, who: Auth, st: St, after: int = 0) -> dict[str
     await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     rows = await st.store.list_events(sandbox_id, after=after)
     return {"events": [views.event(e) for e in rows]}
-
-
-def new_snapshot(sb: Sandbox, kind: str, origin: str) -> Snapshot:
-    return Snapshot(id=ids.snapshot_id(), tenant=sb.tenant, sandbox_id=sb.id, kind=kind, origin=origin,
-                    status="creating", node_id=sb.node_id, template=sb.template,
-                    template_digest=sb.template_digest, restorable=False)
 
 
 def _check_usable(snap: Snapshot) -> None:

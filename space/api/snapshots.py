@@ -11,11 +11,11 @@ from pydantic import BaseModel, Field
 from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
-from space.api.lifecycle import enqueue_action, new_snapshot
+from space.api.lifecycle import enqueue_action
 from space.api.state import AppState, app_state
 from space.errors import Conflict, InvalidRequest, NotFound
 from space.lifecycle import Action
-from space.store import Operation, Snapshot
+from space.store import Operation, Snapshot, new_snapshot
 
 router = APIRouter(prefix="/v1")
 

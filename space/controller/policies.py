@@ -18,7 +18,7 @@ from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.nodes import NodeRegistry
 from space.errors import SpaceError
 from space.lifecycle import State
-from space.store import Operation, Sandbox, Snapshot, Store
+from space.store import Operation, Sandbox, Snapshot, Store, new_snapshot
 
 log = structlog.get_logger("space.controller.policies")
 
@@ -96,7 +96,7 @@ class Policies:
                     await self.store.touch_sandbox(sb.id, seen)
         idle = (now - last).total_seconds()
         if sb.state in (State.RUNNING, State.PAUSED) and sb.idle_suspend_s is not None and idle >= sb.idle_suspend_s:
-            snap = self.ops_snapshot(sb, "suspend")
+            snap = new_snapshot(sb, "full", "suspend")
             await self._enqueue(sb, "sandbox.suspend", {"snapshot": snap.id, "idle": True},
                                 state=State.SUSPENDING, snapshot=snap)
             await self.ops.event(sb, "idle", f"idle for {idle:.0f}s: suspending")
@@ -106,12 +106,6 @@ class Policies:
             await self.ops.event(sb, "idle", f"idle for {idle:.0f}s: pausing")
             return True
         return False
-
-    @staticmethod
-    def ops_snapshot(sb: Sandbox, origin: str, kind: str = "full") -> Snapshot:
-        return Snapshot(id=ids.snapshot_id(), tenant=sb.tenant, sandbox_id=sb.id, kind=kind, origin=origin,
-                        status="creating", node_id=sb.node_id, template=sb.template,
-                        template_digest=sb.template_digest, restorable=False)
 
     # -- schedule and retention ----------------------------------------------------------------
 
@@ -123,7 +117,7 @@ class Policies:
             last = latest.created_at if latest is not None else sb.created_at
             if not retention.due(policy, kind, last, now):
                 continue
-            snap = self.ops_snapshot(sb, "schedule", kind)
+            snap = new_snapshot(sb, kind, "schedule")
             await self._enqueue(sb, "snapshot.create", {"snapshot": snap.id, "kind": kind}, snapshot=snap)
             n += 1
         return n

@@ -13,8 +13,9 @@ from space.store.models import (
     SandboxEvent,
     Snapshot,
     Template,
+    new_snapshot,
 )
 from space.store.repo import Store
 
 __all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "SandboxEvent", "Snapshot",
-           "Store", "Template"]
+           "Store", "Template", "new_snapshot"]

@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from space import ids
 from space.lifecycle import State
 
 #: Deterministic constraint names, so that migrations can name what they alter or drop.
@@ -259,3 +260,10 @@ class SandboxEvent(Base):
     kind: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+def new_snapshot(sb: Sandbox, kind: str, origin: str) -> Snapshot:
+    """The row of a snapshot about to be taken of ``sb`` (``creating``, not restorable yet)."""
+    return Snapshot(id=ids.snapshot_id(), tenant=sb.tenant, sandbox_id=sb.id, kind=kind, origin=origin,
+                    status="creating", node_id=sb.node_id, template=sb.template,
+                    template_digest=sb.template_digest, restorable=False)
