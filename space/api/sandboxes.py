@@ -17,8 +17,8 @@ from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
-from space.errors import InvalidRequest
-from space.lifecycle import Action, State, require
+from space.errors import InvalidRequest, InvalidState
+from space.lifecycle import Action, State, allowed_actions, require
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.web import sse
@@ -94,6 +94,43 @@ async def list_sandboxes(who: Auth, st: St, state: str | None = None) -> dict[st
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
     return views.sandbox(await st.store.get_sandbox(sandbox_id, tenant=who.tenant))
+
+
+class UpdateSandboxBody(BaseModel):
+    """Fields left out stay as they are; ``null`` turns a policy off."""
+
+    idle_pause_s: int | None = Field(None, ge=1, le=365 * 86400)
+    idle_suspend_s: int | None = Field(None, ge=1, le=365 * 86400)
+    #: Seconds from now until the sandbox is deleted (``null``: no maximum lifetime).
+    lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    snapshot_policy: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+
+@router.patch("/sandboxes/{sandbox_id}")
+async def update_sandbox(sandbox_id: str, body: UpdateSandboxBody, who: Auth, st: St) -> dict[str, Any]:
+    """Change a sandbox's policies (idleness, lifetime, snapshots) or metadata; they apply at the
+    controller's next tick."""
+    who.require_write()
+    sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
+    if sb.state in (State.TERMINATING, State.TERMINATED):
+        raise InvalidState(f"cannot change a sandbox that is {sb.state}", state=str(sb.state),
+                           allowed=allowed_actions(State(sb.state)))
+    given = body.model_fields_set
+    changes: dict[str, Any] = {k: getattr(body, k) for k in ("idle_pause_s", "idle_suspend_s") if k in given}
+    if "lifetime_s" in given:
+        changes["expires_at"] = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)
+                                 if body.lifetime_s else None)
+    if "snapshot_policy" in given:
+        changes["snapshot_policy"] = (SnapshotPolicy.from_dict(body.snapshot_policy).to_dict()
+                                      if body.snapshot_policy else {})
+    if "metadata" in given:
+        if body.metadata is not None and len(body.metadata) > MAX_ENV:
+            raise InvalidRequest(f"at most {MAX_ENV} metadata entries")
+        changes["meta"] = body.metadata or {}
+    if changes:
+        sb = await st.store.update_sandbox(sandbox_id, **changes)
+    return views.sandbox(sb)
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=202)

@@ -97,6 +97,41 @@ def get(ctx: typer.Context, sandbox_id: SandboxId, as_json: JsonFlag = False) ->
 
 
 @app.command()
+def update(
+    ctx: typer.Context,
+    sandbox_id: SandboxId,
+    idle_pause: Annotated[str | None, typer.Option(
+        "--idle-pause", metavar="SECONDS|off", help="Pause it after this long without activity.")] = None,
+    idle_suspend: Annotated[str | None, typer.Option(
+        "--idle-suspend", metavar="SECONDS|off", help="Suspend it after this long without activity.")] = None,
+    lifetime: Annotated[str | None, typer.Option(
+        "--lifetime", metavar="SECONDS|off", help="Delete it this long from now.")] = None,
+    snapshot_policy: Annotated[str | None, typer.Option(
+        "--snapshot-policy", metavar="JSON|off", help="Snapshot schedule and retention.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Change a sandbox's idle, lifetime or snapshot policy (``off`` turns one off)."""
+    changes: dict[str, Any] = {}
+    for name, raw in (("idle_pause", idle_pause), ("idle_suspend", idle_suspend), ("lifetime", lifetime)):
+        if raw is not None:
+            changes[name] = None if raw == "off" else _seconds(raw, name)
+    if snapshot_policy is not None:
+        changes["snapshot_policy"] = None if snapshot_policy == "off" else _parse_policy(snapshot_policy)
+    with client(ctx) as c:
+        sandbox = c.sandboxes.ref(sandbox_id).update(**changes)
+    if as_json:
+        output.print_json(sandbox.info)
+    else:
+        output.fields(sandbox.info)
+
+
+def _seconds(raw: str, name: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise typer.BadParameter(f"--{name.replace('_', '-')} takes a number of seconds or 'off', not {raw!r}")
+    return int(raw)
+
+
+@app.command()
 def delete(
     ctx: typer.Context,
     sandbox_id: SandboxId,

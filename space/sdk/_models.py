@@ -218,3 +218,13 @@ class SandboxEvent:
             data=dict(body.get("data") or {}),
             raw=body,
         )
+
+
+class Unset:
+    """The default of an optional argument that was not given (``None`` means "turn it off")."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = Unset()

@@ -128,3 +128,14 @@ def test_fork_then_suspend_and_restore(cli: Cli, sandbox: str) -> None:
     assert restored.stdout == "" and f"on node {node}" in restored.stderr
     assert get(cli, sid)["state"] == "running"
     assert sh(cli, sid, "cat /home/user/who") == "origin\n"
+
+
+def test_update_changes_and_turns_off_policies(cli: Cli, sandbox: str) -> None:
+    before = get(cli, sandbox)
+    out = json.loads(cli("sandbox", "update", sandbox, "--idle-pause", "900", "--lifetime", "off",
+                         "--snapshot-policy", '{"disk_every": "5m"}', "--json").stdout)
+    assert (out["idle_pause_s"], out["idle_suspend_s"], out["expires_at"]) == (900, before["idle_suspend_s"], None)
+    assert out["snapshot_policy"]["disk_every"] == 300
+    assert get(cli, sandbox)["idle_pause_s"] == 900  # stored, not only echoed
+    bad = cli("sandbox", "update", sandbox, "--idle-pause", "soon", check=False)
+    assert bad.exit_code != 0 and "--idle-pause" in bad.stderr

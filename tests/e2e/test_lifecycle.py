@@ -320,3 +320,16 @@ def test_manual_snapshots_travel_with_a_suspended_sandbox(api: httpx.Client) -> 
     act(api, sid, "rollback", {"snapshot": disk})
     assert sh(api, sid, "cat /home/user/f") == "v1\n"
     api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_patch_changes_policies_and_refuses_bad_input(api: httpx.Client) -> None:
+    sid = create_sandbox(api)
+    r = api.patch(f"/v1/sandboxes/{sid}", json={"snapshot_policy": {"full_every": "10s"}})
+    assert r.status_code == 400 and "full_every" in r.json()["error"]["message"], r.text
+    assert api.patch(f"/v1/sandboxes/{sid}", json={"idle_pause_s": 0}).status_code == 422
+    # A lifetime counts from now: a short one ends the sandbox.
+    r = api.patch(f"/v1/sandboxes/{sid}", json={"lifetime_s": 2})
+    assert r.status_code == 200 and r.json()["expires_at"], r.text
+    wait_for(lambda: state(api, sid) == "terminated", 60, "the new lifetime to end the sandbox")
+    gone = api.patch(f"/v1/sandboxes/{sid}", json={"idle_pause_s": 60})
+    assert gone.status_code == 409 and gone.json()["error"]["state"] == "terminated", gone.text

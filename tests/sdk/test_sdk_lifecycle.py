@@ -121,3 +121,15 @@ async def test_async_fork_suspend_and_restore(alive: AsyncClient) -> None:
         assert await sb.files.read("/home/user/who") == b"origin"
     finally:
         await _delete_with_forks(alive, sb)
+
+
+def test_update_sets_keeps_and_clears(live: Client) -> None:
+    sb = live.sandboxes.create("base", idle_pause=600, lifetime=3600)
+    try:
+        sb.update(idle_suspend=7200)  # what is left out stays
+        assert (sb.info["idle_pause_s"], sb.info["idle_suspend_s"]) == (600, 7200) and sb.info["expires_at"]
+        sb.update(idle_pause=None, lifetime=None, metadata={"team": "a"})  # None turns it off
+        fresh = live.sandboxes.get(sb.id).info
+        assert (fresh["idle_pause_s"], fresh["expires_at"], fresh["metadata"]) == (None, None, {"team": "a"})
+    finally:
+        sb.delete()

@@ -11,7 +11,16 @@ from typing import Any
 from urllib.parse import quote
 
 from space import errors
-from space.sdk._models import JSON, CommandResult, Operation, SandboxEvent, Snapshot, command_request
+from space.sdk._models import (
+    JSON,
+    UNSET,
+    CommandResult,
+    Operation,
+    SandboxEvent,
+    Snapshot,
+    Unset,
+    command_request,
+)
 
 from ._commands import Command, OutputCallback
 from ._files import Files
@@ -53,6 +62,26 @@ class Sandbox:
 
     def refresh(self) -> Sandbox:
         self.info = self._http.json("GET", self._path)
+        return self
+
+    def update(
+        self,
+        *,
+        idle_pause: int | Unset | None = UNSET,
+        idle_suspend: int | Unset | None = UNSET,
+        lifetime: int | Unset | None = UNSET,
+        snapshot_policy: Mapping[str, Any] | Unset | None = UNSET,
+        metadata: Mapping[str, str] | Unset | None = UNSET,
+    ) -> Sandbox:
+        """Change its policies or metadata; ``None`` turns a policy off, leaving one out keeps it.
+        ``lifetime`` counts from now."""
+        body: dict[str, Any] = {}
+        for name, value in (("idle_pause_s", idle_pause), ("idle_suspend_s", idle_suspend),
+                            ("lifetime_s", lifetime), ("snapshot_policy", snapshot_policy),
+                            ("metadata", metadata)):
+            if not isinstance(value, Unset):
+                body[name] = dict(value) if isinstance(value, Mapping) else value
+        self.info = self._http.json("PATCH", self._path, json=body)
         return self
 
     def delete(
