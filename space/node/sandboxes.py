@@ -33,6 +33,8 @@ from space.runtime.base import InstanceSpec, RuntimeDriver
 log = structlog.get_logger("space.node.sandboxes")
 
 STATE_FILE = "state.json"
+#: Deleted sandboxes' directories while their removal finishes in the background.
+TRASH = "trash"
 
 
 @dataclasses.dataclass
@@ -145,6 +147,10 @@ class SandboxManager:
             if inst not in known:
                 log.warning("instance.orphan_removed", instance=inst)
                 await self.driver.stop(inst, self.channel_dir)
+        trash = self.pool.root / TRASH
+        for leftover in sorted(trash.iterdir()) if trash.exists() else []:
+            # Deleted sandboxes whose removal a stop cut short.
+            await self.pool.delete_subvolume(leftover)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -241,21 +247,46 @@ class SandboxManager:
                 # Not in memory: maybe a leftover directory from a crash mid-create.
                 await self.pool.delete_subvolume(self._dir(sandbox_id))
                 return
-            await self._destroy(sb)
+            await self._destroy(sb, defer=True)
             self._sandboxes.pop(sandbox_id, None)
         self._locks.pop(sandbox_id, None)
 
-    async def _destroy(self, sb: LocalSandbox) -> None:
+    async def _destroy(self, sb: LocalSandbox, *, defer: bool = False) -> None:
+        """Remove the sandbox's instance and files. With ``defer`` the instance is killed and its
+        directory moved to the pool's trash at once, and the slow part (``runsc delete``, over a
+        second, and deleting the subvolumes) runs in the background: the id is free right away."""
         sb.status = "stopping"
         with contextlib.suppress(OSError):
             self._save(sb)
         conn = self._guests.pop(sb.id, None)
         if conn is not None:
             await conn.close()
-        if sb.instance_id:
-            await self.driver.stop(sb.instance_id, self._workdir(sb))
-        await self.pool.delete_subvolume(self._dir(sb.id))
-        log.info("sandbox.destroyed", sandbox=sb.id)
+        d = self._dir(sb.id)
+        if not defer or not d.exists():
+            if sb.instance_id:
+                await self.driver.stop(sb.instance_id, self._workdir(sb))
+            await self.pool.delete_subvolume(d)
+            log.info("sandbox.destroyed", sandbox=sb.id)
+            return
+        old = sb.instance_id
+        if old:
+            await self.driver.kill(old)
+        trash = self.pool.root / TRASH / f"{sb.id}-{ids.token(4)}"
+        trash.parent.mkdir(exist_ok=True)
+        await asyncio.to_thread(os.rename, d, trash)
+
+        async def reap() -> None:
+            try:
+                if old:
+                    await self.driver.stop(old, trash / "instances" / old)
+                await self.pool.delete_subvolume(trash)
+                log.info("sandbox.destroyed", sandbox=sb.id)
+            except SpaceError as exc:  # the next start's recover() finishes the job
+                log.warning("sandbox.reap_failed", sandbox=sb.id, error=str(exc))
+
+        task = asyncio.create_task(reap())
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     async def close(self) -> None:
         if self._reaping:
