@@ -26,6 +26,8 @@ log = structlog.get_logger("space.controller.lifecycle")
 
 #: Node calls that move memory images and file system deltas get long deadlines.
 LONG = 3600.0
+#: Forks of one request booted at the same time.
+FORK_PARALLEL = 4
 
 
 def object_prefix(sb: Sandbox, snapshot_id: str) -> str:
@@ -333,40 +335,49 @@ class LifecycleOps:
         snap = await self.store.get_snapshot(str(op.request["snapshot"]))
         if snap.status != "ready":
             snap = await self._take(src, snap)
-        done: list[str] = []
-        for fid in op.request.get("sandbox_ids") or []:
-            f = await self.store.get_sandbox(fid)
-            if f.state != State.CREATING:
-                if f.state == State.RUNNING:
-                    done.append(fid)
-                continue  # deleted meanwhile
-            if snap.node_id is not None:
-                node = await self.nodes.client(snap.node_id)
-                await self.store.update_sandbox(fid, node_id=node.node_id)
-                info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
-                                       json_body={"source": snap.sandbox_id, "snapshot": snap.id}, timeout=LONG)
-            elif snap.object_key is not None:
-                node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
-                await self.store.update_sandbox(fid, node_id=node.node_id)
-                info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
-                                       json_body={"snapshot": snap.id, "prefix": snap.object_key,
-                                                  "token": op.id}, timeout=LONG)
-            else:
-                raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",
-                                      snapshot_id=snap.id)
-            try:
-                f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
-                                                       instance_id=info.get("instance_id"),
-                                                       template_digest=info.get("template_digest"))
-            except InvalidState:
-                continue  # deleted while forking: the delete removes it from the node
-            await self.store.touch_sandbox(fid, _now())
-            await self.event(f, "forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
-                             parent=src.id, snapshot=snap.id)
-            done.append(fid)
+        wanted = list(op.request.get("sandbox_ids") or [])
+        # The forks boot side by side (a restore mostly waits on the runtime); a few at a time.
+        slots = asyncio.Semaphore(FORK_PARALLEL)
+
+        async def one(fid: str) -> str | None:
+            async with slots:
+                return await self._fork_one(op, src, snap, fid)
+
+        results = await asyncio.gather(*(one(fid) for fid in wanted))
+        done = [fid for fid in results if fid is not None]
         await self.event(src, "forked_into", f"forked into {len(done)} sandbox(es) from snapshot {snap.id}",
                          sandboxes=done, snapshot=snap.id)
         return {"sandbox_ids": done, "snapshot": snap.id}
+
+    async def _fork_one(self, op: Operation, src: Sandbox, snap: Snapshot, fid: str) -> str | None:
+        """Boot one fork (idempotent); its id once running, None if it was deleted meanwhile."""
+        f = await self.store.get_sandbox(fid)
+        if f.state != State.CREATING:
+            return fid if f.state == State.RUNNING else None
+        if snap.node_id is not None:
+            node = await self.nodes.client(snap.node_id)
+            await self.store.update_sandbox(fid, node_id=node.node_id)
+            info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
+                                   json_body={"source": snap.sandbox_id, "snapshot": snap.id}, timeout=LONG)
+        elif snap.object_key is not None:
+            node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
+            await self.store.update_sandbox(fid, node_id=node.node_id)
+            info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
+                                   json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id},
+                                   timeout=LONG)
+        else:
+            raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",
+                                  snapshot_id=snap.id)
+        try:
+            f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
+                                                   instance_id=info.get("instance_id"),
+                                                   template_digest=info.get("template_digest"))
+        except InvalidState:
+            return None  # deleted while forking: the delete removes it from the node
+        await self.store.touch_sandbox(fid, _now())
+        await self.event(f, "forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
+                         parent=src.id, snapshot=snap.id)
+        return fid
 
     async def fork_failed(self, op: Operation, exc: SpaceError) -> None:
         snap_id = op.request.get("snapshot")
