@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from typing import Any
 
 import structlog
@@ -22,17 +23,22 @@ from space.store import Operation, Sandbox, Snapshot, Store, new_snapshot
 
 log = structlog.get_logger("space.controller.policies")
 
+#: Seconds between two looks at one sandbox's snapshots for pruning.
+PRUNE_EVERY = 60.0
+
 
 class Policies:
     def __init__(self, store: Store, nodes: NodeRegistry, ops: LifecycleOps) -> None:
         self.store = store
         self.nodes = nodes
         self.ops = ops
+        self._pruned: dict[str, float] = {}
 
     async def tick(self, now: dt.datetime | None = None) -> int:
         """Apply every policy once; returns how many operations were enqueued."""
         now = now or dt.datetime.now(dt.UTC)
         busy = {op.target for op in await self.store.find_operations(status=["pending", "running"])}
+        in_use: set[str] | None = None  # read once per tick, when some sandbox is due for pruning
         enqueued = 0
         for sb in await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value,
                                                           State.SUSPENDED.value]):
@@ -44,7 +50,10 @@ class Policies:
                     continue
                 if sb.state == State.RUNNING:
                     enqueued += await self._schedule(sb, now)
-                await self._prune(sb, now)
+                if self._prune_due(sb):
+                    if in_use is None:
+                        in_use = await self.store.snapshots_in_use()
+                    await self._prune(sb, now, in_use)
             except SpaceError as exc:
                 log.warning("policy.failed", sandbox=sb.id, error=str(exc))
         return enqueued
@@ -122,7 +131,19 @@ class Policies:
             n += 1
         return n
 
-    async def _prune(self, sb: Sandbox, now: dt.datetime) -> None:
+    def _prune_due(self, sb: Sandbox) -> bool:
+        """Look at a sandbox's snapshots once a minute, or as often as its schedule takes one."""
+        policy = retention.SnapshotPolicy.from_dict(sb.snapshot_policy or None)
+        every = min([PRUNE_EVERY, *(i for i in (policy.disk_every, policy.full_every) if i)])
+        now = time.monotonic()
+        if now - self._pruned.get(sb.id, -every) < every:
+            return False
+        self._pruned[sb.id] = now
+        if len(self._pruned) > 100_000:
+            self._pruned.clear()
+        return True
+
+    async def _prune(self, sb: Sandbox, now: dt.datetime, in_use: set[str]) -> None:
         snaps = await self.store.list_snapshots(sandbox_id=sb.id, statuses=["ready"])
         if not any(s.origin == "schedule" for s in snaps):
             return
@@ -131,9 +152,7 @@ class Policies:
         newest_full = await self.store.latest_snapshot(sb.id, kind="full", node_id=sb.node_id)
         if newest_full is not None:
             pinned.add(newest_full.id)  # crash recovery restores from it
-        for s in snaps:
-            if s.origin == "schedule" and await self.store.snapshot_in_use(s.id):
-                pinned.add(s.id)
+        pinned |= {s.id for s in snaps if s.id in in_use}
         refs = [retention.SnapshotRef(id=s.id, created_at=s.created_at, kind=s.kind, origin=s.origin) for s in snaps]
         by_id = {s.id: s for s in snaps}
         for sid in retention.prune(refs, policy, now, pinned=pinned):

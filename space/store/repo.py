@@ -572,22 +572,26 @@ class Store:
         return await self.update_snapshot(snapshot_id, status="deleted")
 
     async def snapshot_in_use(self, snapshot_id: str) -> bool:
-        """Whether deleting the snapshot now would break something: a pending or running
-        operation names it (``request["snapshot"]`` or in ``request["snapshots"]``), or a sandbox
-        that is not terminated keeps its suspended state in it (``Sandbox.snapshot_id``)."""
+        """Whether deleting the snapshot now would break something (see :meth:`snapshots_in_use`)."""
+        return snapshot_id in await self.snapshots_in_use()
+
+    async def snapshots_in_use(self) -> set[str]:
+        """Every snapshot that must not be deleted now: one a pending or running operation names
+        (``request["snapshot"]`` or in ``request["snapshots"]``), or one a sandbox that is not
+        terminated keeps its suspended state in (``Sandbox.snapshot_id``)."""
         async with self._tx(write=False) as s:
-            holder = await s.scalar(
-                select(Sandbox.id)
-                .where(Sandbox.snapshot_id == snapshot_id, Sandbox.state != State.TERMINATED)
-                .limit(1)
+            held = await s.scalars(
+                select(Sandbox.snapshot_id)
+                .where(Sandbox.snapshot_id.is_not(None), Sandbox.state != State.TERMINATED)
             )
-            if holder is not None:
-                return True
-            # Active operations are few, and JSON containment differs per dialect: test in Python.
+            out = {str(h) for h in held}
+            # Active operations are few, and JSON containment differs per dialect: read in Python.
             requests = await s.scalars(
                 select(Operation.request).where(Operation.status.in_(OPERATION_ACTIVE))
             )
-            return any(_request_names_snapshot(req, snapshot_id) for req in requests)
+            for req in requests:
+                out.update(_snapshots_named(req))
+            return out
 
     # ---- events ---------------------------------------------------------------------------------
 
@@ -893,13 +897,14 @@ def _link_request(op: Operation, key: str, value: Any) -> None:
     op.request = request
 
 
-def _request_names_snapshot(request: dict[str, Any] | None, snapshot_id: str) -> bool:
+def _snapshots_named(request: dict[str, Any] | None) -> set[str]:
     if not isinstance(request, dict):
-        return False
-    if request.get("snapshot") == snapshot_id:
-        return True
+        return set()
+    out = {str(request["snapshot"])} if request.get("snapshot") else set()
     many = request.get("snapshots")
-    return isinstance(many, list) and snapshot_id in many
+    if isinstance(many, list):
+        out.update(str(m) for m in many)
+    return out
 
 
 def _prepare_sandbox(sb: Sandbox, now: dt.datetime) -> None:
