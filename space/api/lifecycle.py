@@ -77,15 +77,11 @@ async def enqueue_action(
     require(sb.state, action)
     op = Operation(id=ids.operation_id(), tenant=tenant, kind=kind, target=sandbox_id, status="pending",
                    idempotency_key=idempotency_key, request={**request, "from_state": str(sb.state)})
-    if snapshot is not None:
-        _, op_or_none, created = await st.store.create_snapshot(snapshot, op)
-        assert op_or_none is not None
-        op = op_or_none
-    else:
-        op, created = await st.store.create_operation(op)
     target = ACTION_TARGET[action]
-    if created and target in (State.SUSPENDING, State.RESTORING):
-        sb = await st.store.set_sandbox_state(sandbox_id, target, expect=[sb.state])
+    move_to = target if target in (State.SUSPENDING, State.RESTORING) else None
+    # The operation, its snapshot row and the in-between state are one write: no state is ever
+    # left without the operation that finishes it.
+    sb, op, created = await st.store.start_operation(op, move_to=move_to, expect=[sb.state], snapshot=snapshot)
     if created:
         st.controller.wake()
     return sb, op

@@ -152,9 +152,16 @@ async def delete_sandbox(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.delete", target=sandbox_id, status="pending",
         idempotency_key=idempotency_key, request={},
     )
-    op, created = await st.store.create_operation(op)
+    try:
+        sb, op, created = await st.store.start_operation(op, move_to=State.TERMINATING, expect=[sb.state])
+    except InvalidState:
+        # A concurrent delete won the race: answer with its operation, as a repeated delete does.
+        existing = await st.store.find_operations(target=sandbox_id, kind="sandbox.delete",
+                                                  status=["pending", "running"])
+        if not existing:
+            raise
+        sb, op, created = await st.store.get_sandbox(sandbox_id), existing[0], False
     if created:
-        sb = await st.store.set_sandbox_state(sandbox_id, State.TERMINATING)
         st.controller.wake()
     return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
 

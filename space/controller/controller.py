@@ -417,10 +417,9 @@ class Controller:
         op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind="sandbox.recover", target=sandbox_id,
                        status="pending", request={"cause": cause, "message": message})
         try:
-            sb = await self.store.set_sandbox_state(sandbox_id, State.RESTORING, expect=[sb.state])
+            sb, _, _ = await self.store.start_operation(op, move_to=State.RESTORING, expect=[sb.state])
         except InvalidState:
             return State((await self.store.get_sandbox(sandbox_id)).state)
-        await self.store.create_operation(op)
         await self.store.add_event(sandbox_id, sb.tenant, "crashed", f"{message} ({cause}); recovering",
                                    {"cause": cause})
         self.wake()

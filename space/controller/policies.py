@@ -62,14 +62,7 @@ class Policies:
                        state: State | None = None, snapshot: Snapshot | None = None) -> Operation:
         op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind=kind, target=sb.id, status="pending",
                        request={**request, "from_state": str(sb.state)})
-        if snapshot is not None:
-            _, made, _ = await self.store.create_snapshot(snapshot, op)
-            assert made is not None
-            op = made
-        else:
-            op, _ = await self.store.create_operation(op)
-        if state is not None:
-            await self.store.set_sandbox_state(sb.id, state, expect=[sb.state])
+        _, op, _ = await self.store.start_operation(op, move_to=state, expect=[sb.state], snapshot=snapshot)
         return op
 
     # -- lifetime ------------------------------------------------------------------------------

@@ -639,6 +639,61 @@ class Store:
 
         return await self._idempotent_create(op, existing, insert)
 
+    async def start_operation(
+        self,
+        op: Operation,
+        *,
+        move_to: State | None = None,
+        expect: State | str | Sequence[State | str] | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> tuple[Sandbox, Operation, bool]:
+        """Record ``op`` on the sandbox ``op.target`` and, in the same transaction, insert the
+        ``snapshot`` it makes and move the sandbox to ``move_to`` (a compare-and-set against
+        ``expect``): a crash leaves all of it or none, never a state without the operation that
+        finishes it. An idempotency key the tenant already used returns the earlier operation."""
+        now = utcnow()
+        _prepare_operation(op, now)
+        if snapshot is not None:
+            _same_tenant(op, snapshot, "snapshot")
+            _link_request(op, "snapshot", snapshot.id)
+            _prepare_snapshot(snapshot, now)
+        expected = None if expect is None else _states(expect)
+
+        async def existing(s: AsyncSession) -> tuple[Sandbox, Operation, bool] | None:
+            prior = await self._find_idempotent(s, op)
+            if prior is None:
+                return None
+            return await self._get(s, Sandbox, prior.target, "sandbox"), prior, False
+
+        try:
+            async with self._tx() as s:
+                found = await existing(s)
+                if found is not None:
+                    return found
+                sb = await self._get(s, Sandbox, op.target, "sandbox", lock=True)
+                if move_to is not None:
+                    current = State(sb.state)
+                    if expected is not None and current not in expected:
+                        raise InvalidState(
+                            f"sandbox {sb.id} is {current.value}, expected "
+                            + " or ".join(sorted(st.value for st in expected)),
+                            state=current.value, allowed=allowed_actions(current))
+                    sb.state = transition(current, move_to)
+                    sb.generation += 1
+                    sb.updated_at = now
+                s.add_all([*([snapshot] if snapshot is not None else []), op])
+                return sb, op, True
+        except InvalidState:
+            raise
+        except Conflict:
+            if op.idempotency_key is None:
+                raise
+        async with self._tx(write=False) as s:  # a concurrent request with the same key won
+            found = await existing(s)
+        if found is None:
+            raise Conflict(f"operation {op.id} conflicts with an existing row")
+        return found
+
     async def _find_idempotent(self, s: AsyncSession, op: Operation) -> Operation | None:
         if op.idempotency_key is None:
             return None
