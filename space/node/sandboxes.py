@@ -358,17 +358,24 @@ class SandboxManager:
         gone is asked about; the control plane's reconcile then sees ``dead`` and recovers it."""
         while True:
             await asyncio.sleep(every)
-            for sb in list(self._sandboxes.values()):
+            unsure: builtins.list[LocalSandbox] = []
+            for sb in builtins.list(self._sandboxes.values()):
                 if sb.status not in ("running", "paused") or self._lock(sb.id).locked():
                     continue
                 conn = self._guests.get(sb.id)
                 if conn is not None and not conn.closed:
                     continue
-                with contextlib.suppress(SpaceError):
-                    if sb.status == "running":
+                if sb.status == "running":
+                    with contextlib.suppress(SpaceError):
                         await self.guest(sb.id)  # (re)connects, and finds out if the instance died
-                    else:
-                        await self.check_alive(sb, settle=1.0)
+                else:
+                    unsure.append(sb)  # a paused guest cannot answer: ask the runtime
+            if unsure:
+                live = await self.driver.list_instances()  # one call for all of them
+                for sb in unsure:
+                    if live.get(sb.instance_id or "") not in ("running", "created", "paused"):
+                        with contextlib.suppress(SpaceError):
+                            await self.check_alive(sb, settle=1.0)
 
     async def activity(self, sandbox_id: str) -> dict[str, Any]:
         conn = await self.guest(sandbox_id)

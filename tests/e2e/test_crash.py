@@ -119,3 +119,39 @@ def _node_agent_pid_or_none(server: Server) -> int | None:
 def _stdout(api: httpx.Client, sid: str, cid: str, limit: int) -> bytes:
     events = read_events(api, sid, cid, limit=limit)
     return b"".join(base64.b64decode(e["data"]["data"]) for e in events if e["event"] == "stdout")
+
+
+def test_a_paused_sandbox_stays_paused_across_a_node_agent_crash(server: Server, api: httpx.Client) -> None:
+    """The node agent adopts a paused instance as paused (not dead, not running) after a restart,
+    and a resume continues its processes from memory."""
+    from tests.e2e.test_lifecycle import act, count, start_counter
+
+    sid = create_sandbox(api)
+    start_counter(api, sid)
+    act(api, sid, "pause")
+    old = _node_agent_pid(server)
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
+    node = wait_for(lambda: next((s for s in _node_sandboxes(server) if s["id"] == sid), None), 60,
+                    "the new node agent to adopt the sandbox")
+    assert node["status"] == "paused", node
+    assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    act(api, sid, "resume")
+    before = count(api, sid)
+    wait_for(lambda: count(api, sid) > before, 30, "the counter to continue after the resume")
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
+def _node_sandboxes(server: Server) -> list[dict[str, object]]:
+    """The node agent's own view, through its API (unix socket, node token)."""
+    from space.node.main import channel_dir_for
+
+    sock = channel_dir_for(server.data_dir) / "node.sock"
+    token = (server.data_dir / "node.token").read_text().strip()
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://node",
+                          headers={"authorization": f"Bearer {token}"}, timeout=10) as c:
+            r = c.get("/v1/sandboxes")
+    except httpx.HTTPError:
+        return []
+    return list(r.json()["sandboxes"]) if r.status_code == 200 else []
