@@ -10,8 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from space.node.main import channel_dir_for
-from tests.e2e.harness import Server, free_port, loop_devices, runtime_available
+from tests.e2e.harness import Server, own_server
 
 # ---- PostgreSQL ---------------------------------------------------------------------------------
 
@@ -91,15 +90,5 @@ def postgres_url() -> str:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    reason = runtime_available()
-    if reason:
-        pytest.skip(reason)
-    data = tmp_path_factory.mktemp("srv")
-    srv = Server(data_dir=data / "data", port=free_port(), log_path=data / "serve.log")
-    try:
-        srv.start()
+    with own_server(tmp_path_factory.mktemp("srv")) as srv:
         yield srv
-    finally:
-        srv.teardown()
-        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
-        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,30 @@ def _private_file(path: Path, value: str) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(value + "\n")
     return path
+
+
+@contextlib.contextmanager
+def own_server(tmp: Path, *extra_args: str, env: dict[str, str] | None = None,
+               start: bool = True) -> Iterator[Server]:
+    """A ``space serve`` of its own under ``tmp`` (skipped where the runtime is missing); on exit it
+    is torn down and checked to have left no loop device and no socket directory behind."""
+    import pytest
+
+    from space.node.main import channel_dir_for
+
+    reason = runtime_available()
+    if reason:
+        pytest.skip(reason)
+    srv = Server(data_dir=tmp / "data", port=free_port(), log_path=tmp / "serve.log",
+                 extra_args=list(extra_args), env=dict(env or {}))
+    try:
+        if start:
+            srv.start()
+        yield srv
+    finally:
+        srv.teardown()
+        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
+        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
 
 
 def base_template(server: Server) -> Path:

@@ -3,43 +3,17 @@ in object storage, a full pool."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from space.node.main import channel_dir_for
-from tests.e2e.harness import Server, create_sandbox, free_port, loop_devices, run, runtime_available, wait_for
+from tests.e2e.harness import Server, create_sandbox, own_server, run, wait_for
 from tests.e2e.harness import wait_operation as wait_op
 from tests.e2e.test_lifecycle import act, count, sh, start_counter, state
 
 pytestmark = pytest.mark.runtime
-
-
-def own_server(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
-    reason = runtime_available()
-    if reason:
-        pytest.skip(reason)
-    srv = Server(data_dir=tmp / "data", port=free_port(), log_path=tmp / "serve.log", extra_args=list(extra))
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        srv.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return srv
-
-
-def stop_server(srv: Server) -> None:
-    srv.teardown()
-    assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
-    assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +21,8 @@ def crashy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
     """A server whose node agent dies (like SIGKILL) the first time it is about to commit an upload."""
     tmp = tmp_path_factory.mktemp("crashy")
     marker = tmp / "crashed"
-    srv = own_server(tmp, env={"SPACE_FAILPOINTS": f"artifacts.before_manifest=crash-once:{marker}"})
-    try:
+    with own_server(tmp, env={"SPACE_FAILPOINTS": f"artifacts.before_manifest=crash-once:{marker}"}) as srv:
         yield srv, marker
-    finally:
-        stop_server(srv)
 
 
 def test_node_agent_killed_during_upload_never_makes_the_snapshot_restorable(
@@ -115,27 +86,23 @@ def test_a_damaged_artifact_fails_the_restore_and_the_sandbox_stays_suspended(
 
 
 def test_a_full_pool_fails_snapshots_clearly_and_sandboxes_keep_running(tmp_path: Path) -> None:
-    srv = own_server(tmp_path, "--pool-size-gb", "1")
-    try:
-        with srv.client() as api:
-            sid = create_sandbox(api)
-            # Fill the pool from inside the sandbox until the disk says no.
-            _, _, err = run(api, sid, {"shell": "dd if=/dev/zero of=/home/user/fill bs=1M status=none; sync"})
-            assert b"No space left" in err, err
-            for kind in ("disk", "full"):
-                r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": kind})
-                assert r.status_code == 202, r.text
-                op = wait_op(api, r.json()["operation"]["id"])
-                assert op["status"] == "failed", op
-                assert op["error"]["code"] == "insufficient_storage", op["error"]
-                assert "running sandboxes are unaffected" in op["error"]["message"], op["error"]
-            listed = api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]
-            assert all(s["status"] == "failed" and not s["restorable"] for s in listed), listed
-            assert state(api, sid) == "running"
-            assert sh(api, sid, "rm /home/user/fill && echo alive") == "alive\n"
-            r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "disk"})
+    with own_server(tmp_path, "--pool-size-gb", "1") as srv, srv.client() as api:
+        sid = create_sandbox(api)
+        # Fill the pool from inside the sandbox until the disk says no.
+        _, _, err = run(api, sid, {"shell": "dd if=/dev/zero of=/home/user/fill bs=1M status=none; sync"})
+        assert b"No space left" in err, err
+        for kind in ("disk", "full"):
+            r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": kind})
+            assert r.status_code == 202, r.text
             op = wait_op(api, r.json()["operation"]["id"])
-            assert op["status"] == "succeeded", op["error"]  # room again: snapshots work again
-            api.delete(f"/v1/sandboxes/{sid}")
-    finally:
-        stop_server(srv)
+            assert op["status"] == "failed", op
+            assert op["error"]["code"] == "insufficient_storage", op["error"]
+            assert "running sandboxes are unaffected" in op["error"]["message"], op["error"]
+        listed = api.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]
+        assert all(s["status"] == "failed" and not s["restorable"] for s in listed), listed
+        assert state(api, sid) == "running"
+        assert sh(api, sid, "rm /home/user/fill && echo alive") == "alive\n"
+        r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "disk"})
+        op = wait_op(api, r.json()["operation"]["id"])
+        assert op["status"] == "succeeded", op["error"]  # room again: snapshots work again
+        api.delete(f"/v1/sandboxes/{sid}")

@@ -19,9 +19,8 @@ from tests.e2e.harness import (
     NodeAgent,
     Server,
     create_sandbox,
-    free_port,
     loop_devices,
-    runtime_available,
+    own_server,
     wait_operation,
 )
 from tests.e2e.test_lifecycle import act, count, sh, start_counter
@@ -46,18 +45,8 @@ class Parked:
 @pytest.fixture(scope="module")
 def primary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server of its own: the nodes registered here must not leak into the shared one."""
-    reason = runtime_available()
-    if reason:
-        pytest.skip(reason)
-    d = tmp_path_factory.mktemp("multinode")
-    srv = Server(data_dir=d / "data", port=free_port(), log_path=d / "serve.log")
-    try:
-        srv.start()
+    with own_server(tmp_path_factory.mktemp("multinode")) as srv:
         yield srv
-    finally:
-        srv.teardown()
-        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
-        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,10 @@ import pytest
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
-from space.node.main import channel_dir_for
 from tests.e2e.harness import (
     Server,
     create_sandbox,
-    free_port,
-    loop_devices,
-    runtime_available,
+    own_server,
     wait_operation,
 )
 from tests.e2e.test_lifecycle import act, count, sh, start_counter, state
@@ -74,20 +71,9 @@ def s3() -> Iterator[S3]:
 @pytest.fixture(scope="module")
 def s3_server(s3: S3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server whose object store is the bucket, credentials in the environment as in production."""
-    reason = runtime_available()
-    if reason:
-        pytest.skip(reason)
-    d = tmp_path_factory.mktemp("s3srv")
-    srv = Server(data_dir=d / "data", port=free_port(), log_path=d / "serve.log",
-                 extra_args=["--object-store-url", f"s3://{s3.bucket}/{PREFIX}?endpoint={s3.endpoint}"],
-                 env=CREDENTIALS)
-    try:
-        srv.start()
+    url = f"s3://{s3.bucket}/{PREFIX}?endpoint={s3.endpoint}"
+    with own_server(tmp_path_factory.mktemp("s3srv"), "--object-store-url", url, env=CREDENTIALS) as srv:
         yield srv
-    finally:
-        srv.teardown()
-        assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
-        assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
 
 
 def test_suspend_to_s3_and_restore_brings_files_and_processes_back(s3: S3, s3_server: Server) -> None:

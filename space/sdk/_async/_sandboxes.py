@@ -343,12 +343,7 @@ class AsyncSandboxes:
         op = Operation.from_json(reply["operation"])
         sandbox = AsyncSandbox(self._http, self._operations, reply["sandbox"], op)
         if wait:
-            op = await self._operations.wait(op.id, timeout)
-            sandbox.operation = op
-            exc = op.exception()
-            if exc is not None:
-                exc.details.setdefault("sandbox_id", sandbox.id)
-                raise exc
+            await sandbox._finish(op, wait, timeout)
             await sandbox.refresh()
         return sandbox
 

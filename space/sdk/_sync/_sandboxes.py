@@ -344,12 +344,7 @@ class Sandboxes:
         op = Operation.from_json(reply["operation"])
         sandbox = Sandbox(self._http, self._operations, reply["sandbox"], op)
         if wait:
-            op = self._operations.wait(op.id, timeout)
-            sandbox.operation = op
-            exc = op.exception()
-            if exc is not None:
-                exc.details.setdefault("sandbox_id", sandbox.id)
-                raise exc
+            sandbox._finish(op, wait, timeout)
             sandbox.refresh()
         return sandbox
 
