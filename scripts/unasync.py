@@ -38,6 +38,7 @@ REPLACEMENTS = {
     "AsyncOperations": "Operations",
     "AsyncTemplates": "Templates",
     "AsyncApiKeys": "ApiKeys",
+    "AsyncPools": "Pools",
     "aclose": "close",
     "aread": "read",
     "aiter_lines": "iter_lines",

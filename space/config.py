@@ -24,6 +24,9 @@ class ServeSettings:
     max_upload_bytes: int = 1 << 30
     #: Templates built on first start when missing (``make run`` wants ``base`` ready).
     bootstrap_templates: tuple[str, ...] = ("base",)
+    #: Warm sandboxes of ``base`` (1 cpu, 512 MiB) each node keeps, set once on first start; change
+    #: it later with ``space pool set``.
+    warm_pool: int = 2
     #: Operation lease: how long a crashed controller's claim blocks a retry.
     lease_seconds: float = 10.0
 

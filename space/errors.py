@@ -109,6 +109,12 @@ class SnapshotCorrupt(SpaceError):
     status = 409
 
 
+class PoolEmpty(Conflict):
+    """No warm sandbox of that template and size is ready on the node (the caller boots one cold)."""
+
+    code = "pool_empty"
+
+
 class InsufficientStorage(SpaceError):
     """The node's pool (or the object store) has no room for what was asked."""
 

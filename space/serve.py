@@ -115,7 +115,7 @@ async def ensure_admin_key(store: Store, data_dir: Path) -> None:
     log.info("admin_key.created", path=str(key_file))
 
 
-async def heartbeat(store: Store, client: NodeClient, node: NodeProcess, every: float = 5.0) -> None:
+async def heartbeat(client: NodeClient, node: NodeProcess, every: float = 5.0) -> None:
     while True:
         await asyncio.sleep(every)
         if not node.alive():
@@ -124,9 +124,7 @@ async def heartbeat(store: Store, client: NodeClient, node: NodeProcess, every: 
             with contextlib.suppress(SpaceError):
                 await wait_node_ready(client, node, timeout=120)
             continue
-        with contextlib.suppress(SpaceError):
-            info = await client.call("GET", "/v1/node", timeout=5)
-            await store.heartbeat_node(NODE_ID, {"pool": info.get("pool"), "sandboxes": info.get("sandboxes")})
+        # Heartbeats proper (capacity, warm pools) are the controller's check_nodes.
 
 
 async def bootstrap_templates(st: AppState, names: tuple[str, ...]) -> None:
@@ -142,6 +140,17 @@ async def bootstrap_templates(st: AppState, names: tuple[str, ...]) -> None:
             pass
         op, _ = await queue_build(st, name, spec, tenant="default")
         log.info("template.bootstrap_build", template=name, operation=op.id)
+
+
+async def seed_warm_pool(st: AppState, data_dir: Path, size: int) -> None:
+    """The first start keeps ``size`` warm ``base`` sandboxes; later the pools are the user's."""
+    marker = data_dir / "warm-pool.seeded"
+    if marker.exists():
+        return
+    if size > 0 and not await st.store.list_warm_pools():
+        await st.store.set_warm_pool("base", cpu=1.0, memory_mb=512, size=size)
+        log.info("warm_pool.seeded", template="base", size=size)
+    marker.touch()
 
 
 async def serve(settings: ServeSettings) -> None:
@@ -172,6 +181,8 @@ async def serve(settings: ServeSettings) -> None:
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes)
         await bootstrap_templates(state, settings.bootstrap_templates)
+        await seed_warm_pool(state, data, settings.warm_pool)
+        await controller.push_warm_pools()
 
         host, _, port = settings.listen.rpartition(":")
         server = uvicorn.Server(uvicorn.Config(
@@ -180,7 +191,7 @@ async def serve(settings: ServeSettings) -> None:
         ))
         async with asyncio.TaskGroup() as tg:
             ctl = tg.create_task(controller.run())
-            hb = tg.create_task(heartbeat(store, client, node))
+            hb = tg.create_task(heartbeat(client, node))
             log.info("serve.listening", url=f"http://{settings.listen}", data_dir=str(data))
             await server.serve()
             ctl.cancel()

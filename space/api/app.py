@@ -6,7 +6,18 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from space.api import apikeys, commands, files, lifecycle, metrics, nodes, sandboxes, snapshots, templates
+from space.api import (
+    apikeys,
+    commands,
+    files,
+    lifecycle,
+    metrics,
+    nodes,
+    pools,
+    sandboxes,
+    snapshots,
+    templates,
+)
 from space.api.state import AppState
 from space.web import install_error_handlers
 
@@ -22,7 +33,7 @@ def create_app(state: AppState) -> FastAPI:
     app.state.space = state
     install_error_handlers(app)
     metrics.install(app)
-    for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes):
+    for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools):
         app.include_router(module.router)
 
     @app.get("/healthz")

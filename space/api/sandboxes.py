@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import structlog
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -17,11 +18,15 @@ from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
-from space.errors import InvalidRequest, InvalidState
+from space.controller import placement
+from space.errors import InvalidRequest, InvalidState, PoolEmpty, SpaceError
 from space.lifecycle import Action, State, allowed_actions, require
+from space.node.client import NodeClient
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.web import sse
+
+log = structlog.get_logger("space.api.sandboxes")
 
 router = APIRouter(prefix="/v1")
 
@@ -57,9 +62,6 @@ async def create_sandbox(
     who.require_write()
     if len(body.env) > MAX_ENV or len(body.metadata) > MAX_ENV:
         raise InvalidRequest(f"at most {MAX_ENV} env vars and metadata entries")
-    tmpl = await st.store.get_template(body.template)  # 404 for an unknown template
-    if tmpl.status == "failed":
-        raise InvalidRequest(f"template {body.template!r} failed to build; rebuild it first")
     policy = SnapshotPolicy.from_dict(body.snapshot_policy).to_dict() if body.snapshot_policy else {}
     sid = ids.sandbox_id()
     sb = Sandbox(
@@ -72,10 +74,68 @@ async def create_sandbox(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
         idempotency_key=idempotency_key, request=body.model_dump(),
     )
+    # A warm sandbox of the template proves the template is there and ready: try that first.
+    warm = await _create_warm(st, sb, op)
+    if warm is not None:
+        return warm
+    tmpl = await st.store.get_template(body.template)  # 404 for an unknown template
+    if tmpl.status == "failed":
+        raise InvalidRequest(f"template {body.template!r} failed to build; rebuild it first")
+    if tmpl.status == "ready":
+        # Placed now, in the same write as the row: the controller goes straight to the node.
+        with contextlib.suppress(SpaceError):
+            sb.node_id = (await st.nodes.schedule(placement.Request(sb.template, sb.cpu, sb.memory_mb))).node_id
     sb, op, created = await st.store.create_sandbox(sb, op)
     if created:
         st.controller.wake()
     return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+
+
+async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse | None:
+    """Claim a warm sandbox for the request and record it as running: one node call and one
+    commit. None when no node has one ready (the caller creates it cold).
+
+    The sandbox takes the warm one's id. A crash between the claim and the commit leaves a
+    claimed sandbox without a row, which reconcile removes after its grace period.
+    """
+    req = placement.Request(sb.template, sb.cpu, sb.memory_mb)
+    claim = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
+    for node_row in placement.warm_candidates(await st.nodes.ready_rows(), req):
+        node = await st.nodes.client(node_row.id)
+        t0 = time.perf_counter()
+        try:
+            info = await node.call("POST", "/v1/pool/claim", json_body=claim, timeout=10)
+        except PoolEmpty:
+            continue
+        except SpaceError as exc:
+            log.warning("warm.claim_failed", node=node_row.id, error=str(exc))
+            continue
+        sb.id = op.target = str(info["id"])
+        sb.node_id, sb.instance_id = node_row.id, info.get("instance_id")
+        sb.template_digest = info.get("template_digest")
+        sb.state = State.RUNNING
+        sb.last_active_at = dt.datetime.now(dt.UTC)
+        op.status = "succeeded"
+        op.finished_at = sb.last_active_at
+        op.result = {"sandbox_id": sb.id, "node_id": node_row.id, "warm": True,
+                     "timings": {"claim_ms": round((time.perf_counter() - t0) * 1000, 2)}}
+        try:
+            row, op, created = await st.store.create_sandbox(sb, op)
+        except BaseException:
+            await _release(node, sb.id)
+            raise
+        if not created:  # an idempotent retry: the earlier request's sandbox stands
+            await _release(node, sb.id)
+            return JSONResponse({"sandbox": views.sandbox(row), "operation": views.operation(op)},
+                                status_code=202)
+        log.info("sandbox.created", sandbox=row.id, node=node_row.id, warm=True)
+        return JSONResponse({"sandbox": views.sandbox(row), "operation": views.operation(op)}, status_code=201)
+    return None
+
+
+async def _release(node: NodeClient, sandbox_id: str) -> None:
+    with contextlib.suppress(SpaceError):
+        await asyncio.shield(node.call("DELETE", f"/v1/sandboxes/{sandbox_id}"))
 
 
 @router.get("/sandboxes")

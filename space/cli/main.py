@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from space.cli import apikeys, files, sandbox, snapshots, templates
+from space.cli import apikeys, files, pools, sandbox, snapshots, templates
 from space.cli import exec as exec_
 from space.cli.context import Settings, SpaceGroup
 
@@ -37,6 +37,7 @@ app.add_typer(files.app, name="files")
 app.add_typer(templates.app, name="template")
 app.add_typer(templates.operations_app, name="operation")
 app.add_typer(apikeys.app, name="apikey")
+app.add_typer(pools.app, name="pool")
 exec_.register(app)
 
 # Server-side commands (serve, node) live in their own module; a client-only install may lack it.

@@ -31,6 +31,8 @@ def serve(
     max_upload_mb: Annotated[int, typer.Option("--max-upload-mb", help="Largest file upload.")] = 1024,
     no_bootstrap: Annotated[bool, typer.Option("--no-bootstrap", help="Don't build 'base' on first start.")]
     = False,
+    warm_pool: Annotated[int, typer.Option(
+        "--warm-pool", min=0, help="Warm 'base' sandboxes to keep on first start (then: space pool set).")] = 2,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the whole platform (API, controller, one node) on embedded defaults."""
@@ -42,7 +44,7 @@ def serve(
     run(ServeSettings(
         data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
         cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
-        bootstrap_templates=() if no_bootstrap else ("base",),
+        bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
     ))
 
 

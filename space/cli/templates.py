@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -9,8 +10,10 @@ import typer
 from space import errors
 from space.cli import output
 from space.cli.context import client
+from space.node import template_spec
+from space.sdk import Client
 
-app = typer.Typer(help="List and build templates.", no_args_is_help=True)
+app = typer.Typer(help="List, build and save templates.", no_args_is_help=True)
 operations_app = typer.Typer(help="Inspect long-running operations.", no_args_is_help=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON exactly as the API returns it.")]
@@ -46,18 +49,50 @@ def get(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
 def build(
     ctx: typer.Context,
     name: str,
+    file: Annotated[Path | None, typer.Option(
+        "-f", "--file", help="Build from this space-template.toml (its files are uploaded first).",
+        exists=True, dir_okay=False, readable=True)] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if it is up to date.")] = False,
 ) -> None:
     """Build a template: its log streams to stderr, then its digest is printed on stdout."""
     with client(ctx) as c:
-        op = c.templates.build(name, force=force)
+        spec = None
+        if file is not None:
+            parsed = template_spec.load(file, name=name)
+            for sha, path in parsed.blobs.items():
+                if not c.templates.has_blob(sha):
+                    output.info(f"uploading {path} ({path.stat().st_size} bytes)")
+                    c.templates.put_blob(sha, path.read_bytes())
+            spec = parsed.spec
+        op = c.templates.build(name, spec=spec, force=force)
         output.info(f"building template {name} (operation {op.id})")
-        for _, log_line in c.operations.logs(op.id):
-            output.stderr().out(log_line, highlight=False)
-        final = c.operations.get(op.id)
-        final.raise_for_error()
-        digest = (final.result or {}).get("digest") or c.templates.get(name).get("digest")
-    output.line(str(digest))
+        digest = _follow(c, op.id, name)
+    output.line(digest)
+
+
+@app.command()
+def save(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="SANDBOX_ID")],
+    name: str,
+    snapshot: Annotated[str | None, typer.Option("--snapshot", help="Save this snapshot of the sandbox "
+                                                 "(default: a disk snapshot taken now).")] = None,
+) -> None:
+    """Save a sandbox as template NAME (published to object storage); prints its digest."""
+    with client(ctx) as c:
+        op = c.templates.save(name, sandbox_id, snapshot=snapshot)
+        output.info(f"saving sandbox {sandbox_id} as template {name} (operation {op.id})")
+        digest = _follow(c, op.id, name)
+    output.line(digest)
+
+
+def _follow(c: Client, op_id: str, name: str) -> str:
+    """Stream the operation's log to stderr until it ends; its digest (raises if it failed)."""
+    for _, log_line in c.operations.logs(op_id):
+        output.stderr().out(log_line, highlight=False)
+    final = c.operations.get(op_id)
+    final.raise_for_error()
+    return str((final.result or {}).get("digest") or c.templates.get(name).get("digest"))
 
 
 @operations_app.command("get")

@@ -17,9 +17,11 @@ from typing import Any
 import structlog
 
 from space import ids
+from space.controller import placement
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
+from space.controller.template_ops import TemplateOps
 from space.errors import Conflict, Internal, InvalidState, NotFound, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
 from space.node.client import NodeClient
@@ -33,6 +35,14 @@ Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
 #: A sandbox whose runtime dies this often within the window is failed instead of recovered again.
 MAX_CRASHES = 3
 CRASH_WINDOW = 600.0
+
+#: A sandbox claimed from a warm pool has no row for a moment: reconcile leaves it alone this long
+#: (an API that died between claim and insert leaves one, removed after this).
+CLAIM_GRACE = 60.0
+
+#: What a node's heartbeat records for placement (see space.controller.placement).
+HEARTBEAT_FIELDS = ("pool", "sandboxes", "templates", "cpus", "memory_mb", "committed_cpu",
+                    "committed_memory_mb", "loadavg", "warm")
 
 #: How many times a retryable failure (node unreachable, timeout) is retried before giving up.
 MAX_ATTEMPTS = 5
@@ -94,9 +104,10 @@ class Controller:
             "sandbox.delete": self._delete_sandbox,
             "template.build": self._build_template,
             **self.lifecycle.handlers(),
+            **TemplateOps(self).handlers(),
         }
         self._failure_handlers: dict[str, Callable[[Operation, SpaceError], Awaitable[None]]] = \
-            self.lifecycle.failure_handlers()
+            self.lifecycle.failure_handlers() | TemplateOps(self).failure_handlers()
 
     def wake(self) -> None:
         """Tell the loop that a new operation is waiting (saves the poll interval)."""
@@ -240,7 +251,7 @@ class Controller:
                            state=sb.state)
         await self._wait_template(op, sb.template)
         if sb.node_id is None:
-            node = await self.nodes.schedule()
+            node = await self.nodes.schedule(placement.Request(sb.template, sb.cpu, sb.memory_mb))
             sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         else:
             node = await self.nodes.client(sb.node_id)
@@ -339,10 +350,16 @@ class Controller:
         """Heartbeat every registered node: a node silent for ``down_after`` seconds is ``down``
         (not scheduled onto), and ``ready`` again when it answers."""
         now = time.time()
+        pools = await self.warm_targets()
         for row in await self.store.list_nodes(None):
             try:
                 node = await self.nodes.client(row.id)
                 info = await node.call("GET", "/v1/node", timeout=5)
+                if _pool_sizes(info.get("warm") or []) != _pool_sizes(pools):
+                    # The node's warm pools converge on the database's (a new node, a restart,
+                    # a change this node missed).
+                    info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": pools},
+                                                    timeout=5))["pools"]
             except SpaceError:
                 if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
                     log.warning("node.down", node=row.id)
@@ -350,7 +367,22 @@ class Controller:
                 continue
             if row.state != "ready":
                 log.info("node.up", node=row.id)
-            await self.store.heartbeat_node(row.id, {"pool": info.get("pool"), "sandboxes": info.get("sandboxes")})
+            await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+
+    async def warm_targets(self) -> list[dict[str, Any]]:
+        return [{"template": p.template, "cpu": p.cpu, "memory_mb": p.memory_mb, "size": p.size}
+                for p in await self.store.list_warm_pools()]
+
+    async def push_warm_pools(self) -> None:
+        """Send the warm pool sizes to every ready node now (after a change through the API)."""
+        pools = await self.warm_targets()
+        for node in await self.nodes.ready_nodes():
+            try:
+                status = (await node.call("PUT", "/v1/pool", json_body={"targets": pools}, timeout=5))["pools"]
+                row = await self.store.get_node(node.node_id)
+                await self.store.heartbeat_node(node.node_id, {**(row.capacity or {}), "warm": status})
+            except SpaceError as exc:  # the next heartbeat converges it
+                log.warning("warm.push_failed", node=node.node_id, error=str(exc))
 
     async def reconcile(self) -> None:
         """Converge nodes with the database: remove what nobody wants, flag what died."""
@@ -369,6 +401,8 @@ class Controller:
                 sb = wanted.get(sid)
                 if sid in busy:
                     continue
+                if sb is None and time.time() - float(item.get("claimed_at") or 0) < CLAIM_GRACE:
+                    continue  # claimed from the warm pool; its row is being written
                 if sb is None or sb.state in (State.TERMINATED, State.FAILED):
                     log.info("reconcile.remove_unwanted", node=node_row.id, sandbox=sid)
                     with contextlib.suppress(SpaceError):
@@ -436,9 +470,16 @@ class Controller:
             for t in items:
                 cur = known.get(t["name"])
                 if cur is None or cur.status != "ready":
-                    spec = self.template_specs.get(t["name"], {})
+                    # The node's manifest holds the spec it was made from (a saved or derived
+                    # template the database forgot); the configured spec wins for ours.
+                    spec = self.template_specs.get(t["name"]) or t.get("spec") or {}
                     await self.store.upsert_template(t["name"], digest=t["digest"], status="ready", spec=spec,
                                                      size_bytes=t.get("size_bytes"))
+
+
+def _pool_sizes(pools: list[dict[str, Any]]) -> set[tuple[str, float, int, int]]:
+    return {(str(p["template"]), float(p["cpu"]), int(p["memory_mb"]), int(p["size"]))
+            for p in pools if int(p.get("size") or 0) > 0}
 
 
 __all__ = ["Controller"]

@@ -2,21 +2,48 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import structlog
 
+from space.controller import placement
 from space.errors import NotFound, Unavailable
 from space.node.client import NodeClient
-from space.store import Store
+from space.store import Node, Store
 
 log = structlog.get_logger("space.controller.nodes")
+
+#: States in which a sandbox holds (or is about to hold) resources on its node.
+LIVE_STATES = ["creating", "running", "paused", "restoring", "suspending"]
 
 
 class NodeRegistry:
     """Node clients built from the ``nodes`` table (the database is the truth, this is a cache)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, rows_ttl: float = 1.0) -> None:
         self.store = store
         self._clients: dict[str, NodeClient] = {}
+        self.rows_ttl = rows_ttl
+        self._rows: tuple[float, list[Node]] | None = None
+        self._rows_lock = asyncio.Lock()
+
+    async def ready_rows(self) -> list[Node]:
+        """The ready nodes' rows, at most ``rows_ttl`` seconds old: the create hot path reads
+        them on every call, and placement tolerates heartbeats that are seconds old anyway."""
+        if self._fresh():
+            assert self._rows is not None
+            return self._rows[1]
+        async with self._rows_lock:  # a burst after a quiet spell reads them once, not once per call
+            if not self._fresh():
+                # (No nodes is never cached: the first node to register is used at once.)
+                self._rows = (time.monotonic(), await self.store.list_nodes("ready"))
+            assert self._rows is not None
+            return self._rows[1]
+
+    def _fresh(self) -> bool:
+        return (self._rows is not None and bool(self._rows[1])
+                and time.monotonic() - self._rows[0] <= self.rows_ttl)
 
     async def client(self, node_id: str) -> NodeClient:
         c = self._clients.get(node_id)
@@ -38,19 +65,28 @@ class NodeRegistry:
     async def ready_nodes(self) -> list[NodeClient]:
         return [await self.client(n.id) for n in await self.store.list_nodes("ready")]
 
-    async def schedule(self) -> NodeClient:
-        """Pick the node for a new sandbox: the ready node with the fewest live sandboxes."""
-        nodes = await self.store.list_nodes("ready")
+    async def schedule(self, req: placement.Request | None = None) -> NodeClient:
+        """Pick the node for a new sandbox (see :mod:`space.controller.placement`); without a
+        request (a restore, whose template is shipped along), the least loaded ready node."""
+        nodes = await self.ready_rows()
         if not nodes:
             raise Unavailable("no ready node to place the sandbox on")
-        if len(nodes) == 1:  # nothing to weigh: skip counting every live sandbox
+        if len(nodes) == 1:  # nothing to weigh
             return await self.client(nodes[0].id)
-        counts: dict[str, int] = {n.id: 0 for n in nodes}
-        for sb in await self.store.list_sandboxes(states=["creating", "running", "paused"]):
-            if sb.node_id in counts:
-                counts[sb.node_id] += 1
-        best = min(nodes, key=lambda n: counts[n.id])
+        req = req or placement.Request(template="", cpu=1.0, memory_mb=512)
+        best = placement.rank(nodes, req, await self.committed())[0]
+        log.debug("placement.chosen", node=best.id, template=req.template)
         return await self.client(best.id)
+
+    async def committed(self) -> dict[str, placement.Committed]:
+        """What the live sandboxes placed on each node may use (from the database)."""
+        out: dict[str, placement.Committed] = {}
+        for sb in await self.store.list_sandboxes(states=LIVE_STATES):
+            if sb.node_id is not None:
+                c = out.setdefault(sb.node_id, placement.Committed())
+                c.cpu += sb.cpu
+                c.memory_mb += sb.memory_mb
+        return out
 
     async def aclose(self) -> None:
         for c in self._clients.values():

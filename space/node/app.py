@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import signal as signal_mod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,15 +23,34 @@ from pydantic import BaseModel, Field
 from space import ids, paths
 from space.errors import InvalidRequest, NotFound, PayloadTooLarge, RuntimeFailure, SpaceError, Unauthorized
 from space.guest.protocol import MAX_PAYLOAD
-from space.node import snapshots
+from space.node import snapshots, template_save
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
+from space.node.warm import PoolKey, WarmPool, node_memory_mb
 from space.web import guest_event_to_sse, install_error_handlers, sse
 
 log = structlog.get_logger("space.node.api")
 
 
 class CreateSandbox(BaseModel):
+    template: str
+    cpu: float = Field(1.0, gt=0, le=64)
+    memory_mb: int = Field(512, ge=64, le=262144)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class PoolTarget(BaseModel):
+    template: str = Field(..., min_length=1, max_length=128)
+    cpu: float = Field(..., gt=0, le=64)
+    memory_mb: int = Field(..., ge=64, le=262144)
+    size: int = Field(..., ge=0)
+
+
+class PoolTargets(BaseModel):
+    targets: list[PoolTarget]
+
+
+class ClaimRequest(BaseModel):
     template: str
     cpu: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(512, ge=64, le=262144)
@@ -107,6 +127,12 @@ class EnsureTemplate(BaseModel):
     force: bool = False
 
 
+class SaveTemplate(BaseModel):
+    name: str
+    sandbox_id: str
+    snapshot: str
+
+
 def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
     return {
         "id": sb.id,
@@ -120,6 +146,7 @@ def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
         "timings": sb.timings,
         "death": sb.death,
         "source_snapshot": sb.source_snapshot,
+        "claimed_at": sb.claimed_at,
     }
 
 
@@ -135,6 +162,7 @@ def create_node_app(
     templates: TemplateStore,
     max_upload_bytes: int,
     sse_keepalive: float = 15.0,
+    warm: WarmPool | None = None,
 ) -> FastAPI:
     app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -149,13 +177,41 @@ def create_node_app(
     @r.get("/node")
     async def node_info() -> dict[str, Any]:
         usage = await manager.pool.usage()
+        owned = manager.list()
         return {
             "id": node_id,
-            "sandboxes": len(manager.list()),
+            "sandboxes": len(owned),
             "templates": [t.name for t in await templates.list()],
             "template_downloads": templates.downloads,
             "pool": usage,
+            # Capacity, for placement: what the owned sandboxes may use against what there is.
+            "cpus": os.cpu_count() or 1,
+            "memory_mb": warm.memory_mb if warm is not None else node_memory_mb(),
+            "committed_cpu": round(sum(sb.cpu for sb in owned), 3),
+            "committed_memory_mb": sum(sb.memory_mb for sb in owned),
+            "loadavg": os.getloadavg()[0],
+            "warm": warm.status() if warm is not None else [],
         }
+
+    # -- warm pool -------------------------------------------------------------------------
+
+    def _warm() -> WarmPool:
+        if warm is None:
+            raise NotFound("this node keeps no warm pool")
+        return warm
+
+    @r.get("/pool")
+    async def pool_status() -> dict[str, Any]:
+        return {"pools": _warm().status()}
+
+    @r.put("/pool")
+    async def set_pool(body: PoolTargets) -> dict[str, Any]:
+        return {"pools": _warm().set_targets([t.model_dump() for t in body.targets])}
+
+    @r.post("/pool/claim")
+    async def claim(body: ClaimRequest) -> dict[str, Any]:
+        sb = _warm().claim(PoolKey(body.template, body.cpu, body.memory_mb), body.env)
+        return sandbox_view(sb)
 
     # -- templates -------------------------------------------------------------------------
 
@@ -194,6 +250,12 @@ def create_node_app(
                     await asyncio.shield(task)
 
         return StreamingResponse(body_iter(), media_type="application/x-ndjson")
+
+    @r.post("/templates/save")
+    async def save_template(body: SaveTemplate) -> dict[str, Any]:
+        """A sandbox's snapshot as template ``name``, published to object storage (idempotent)."""
+        info = await template_save.save_snapshot(templates, body.name, body.sandbox_id, body.snapshot)
+        return {**_template_view(info), "spec": info.spec}
 
     # -- sandboxes -------------------------------------------------------------------------
 
@@ -288,13 +350,14 @@ def create_node_app(
             raise InvalidRequest("'cmd' must not be empty")
         sb = manager.get(sandbox_id)
         conn = await manager.guest(sandbox_id)
+        env, workdir = await manager.exec_defaults(sb)
         cid = body.id or ids.command_id()
         args: dict[str, Any] = {
             "cmd": cid,
             "argv": body.cmd,
             "shell": body.shell,
-            "env": {**sb.env, **body.env},
-            "cwd": body.cwd,
+            "env": {**env, **body.env},
+            "cwd": body.cwd if body.cwd is not None else workdir,
             "user": body.user if body.user is not None else sb.user,
             "pty": body.pty,
             "stdin": body.stdin,
@@ -506,4 +569,5 @@ def _template_view(t: Any) -> dict[str, Any]:
         "digest": t.digest,
         "size_bytes": getattr(t, "size_bytes", None),
         "created_at": str(getattr(t, "created_at", "")),
+        "spec": getattr(t, "spec", None) or {},
     }

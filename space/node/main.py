@@ -21,6 +21,7 @@ from space.node.app import create_node_app
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
+from space.node.warm import WarmPool
 from space.objstore import ObjectStore
 from space.runtime.gvisor import GVisorDriver
 
@@ -54,6 +55,8 @@ class NodeSettings:
     register_url: str | None = None
     register_key: str | None = None
     #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
+    #: Warm-pool sandboxes booted at the same time (each boot takes most of a core for ~0.4 s).
+    warm_concurrency: int = 1
     sse_keepalive: float = dataclasses.field(
         default_factory=lambda: float(os.environ.get("SPACE_SSE_KEEPALIVE", "15")))
 
@@ -94,7 +97,7 @@ def _build_spawn_helper(d: Path) -> None:
     os.replace(tmp, out)
 
 
-async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager]:
+async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager, WarmPool]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
@@ -105,13 +108,15 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
         objects=objects,
     )
     await manager.recover()
-    return pool, templates, manager
+    warm = WarmPool(manager, settings.data_dir / "warm-pool.json", concurrency=settings.warm_concurrency)
+    await warm.adopt()
+    return pool, templates, manager, warm
 
 
 async def serve_node(settings: NodeSettings) -> None:
     if settings.die_with_parent:
         _die_with_parent()
-    _pool, templates, manager = await build_node(settings)
+    _pool, templates, manager, warm = await build_node(settings)
     app = create_node_app(
         node_id=settings.node_id,
         token=settings.token,
@@ -119,6 +124,7 @@ async def serve_node(settings: NodeSettings) -> None:
         templates=templates,
         max_upload_bytes=settings.max_upload_bytes,
         sse_keepalive=settings.sse_keepalive,
+        warm=warm,
     )
     if settings.socket is not None:
         # uvicorn makes the socket world-writable: the 0700 directory is what guards it.
@@ -136,6 +142,7 @@ async def serve_node(settings: NodeSettings) -> None:
     server = uvicorn.Server(config)
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
     monitor = asyncio.create_task(manager.monitor())
+    refill = asyncio.create_task(warm.run())
     serving = asyncio.create_task(server.serve())
     try:
         if settings.register_url:
@@ -145,7 +152,9 @@ async def serve_node(settings: NodeSettings) -> None:
         await serving
     finally:
         monitor.cancel()
-        await asyncio.gather(monitor, return_exceptions=True)
+        refill.cancel()
+        await asyncio.gather(monitor, refill, return_exceptions=True)
+        await warm.close()
         await manager.close()
         if settings.socket is not None:
             settings.socket.unlink(missing_ok=True)
@@ -175,7 +184,7 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
     )
     await manager.recover()
     n = 0
-    for sb in manager.list():
+    for sb in manager.list_all():
         await manager.delete(sb.id)
         n += 1
     await manager.close()

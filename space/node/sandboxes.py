@@ -22,7 +22,7 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.node import shipping, snapshots
+from space.node import shipping, snapshots, startup
 from space.node.artifacts import read_manifest
 from space.node.guest_client import GuestConnection
 from space.node.pool import Pool
@@ -35,6 +35,10 @@ log = structlog.get_logger("space.node.sandboxes")
 STATE_FILE = "state.json"
 #: Deleted sandboxes' directories while their removal finishes in the background.
 TRASH = "trash"
+#: CPU weight of a warm-pool sandbox until it is claimed (1/16 of a claimed one): its boot and its
+#: idle runtime yield to every sandbox in use, and to the node agent and API on the hot path.
+WARM_CPU_SHARES = 64
+DEFAULT_CPU_SHARES = 1024
 
 
 @dataclasses.dataclass
@@ -58,6 +62,11 @@ class LocalSandbox:
     #: token for that request, so that a retried request is not applied twice.
     source_snapshot: str | None = None
     applied: str | None = None
+    #: A warm-pool sandbox nobody has been given yet: invisible to the node API and the data
+    #: plane until :meth:`SandboxManager.bind` hands it out (once; it never goes back).
+    warm: bool = False
+    #: When it was handed out from the warm pool (None: created for its owner directly).
+    claimed_at: float | None = None
 
     def public(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,6 +96,8 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         #: Old instances being removed in the background (after a rollback or recovery).
         self._reaping: set[asyncio.Task[None]] = set()
+        #: Template specs by digest (what a sandbox's template says about env, workdir, start).
+        self._specs: dict[str, dict[str, Any]] = {}
         channel_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -108,12 +119,38 @@ class SandboxManager:
         return self._dir(sb.id) / "instances" / sb.instance_id
 
     def list(self) -> list[LocalSandbox]:
+        """The sandboxes that belong to someone (warm-pool sandboxes are not listed)."""
+        return [sb for sb in self._sandboxes.values() if not sb.warm]
+
+    def list_all(self) -> builtins.list[LocalSandbox]:
         return list(self._sandboxes.values())
 
     def get(self, sandbox_id: str) -> LocalSandbox:
         sb = self._sandboxes.get(sandbox_id)
-        if sb is None:
+        if sb is None or sb.warm:
+            # A warm sandbox has no owner yet: nobody may reach it, so none is ever handed out used.
             raise NotFound(f"sandbox {sandbox_id} is not on this node", sandbox_id=sandbox_id)
+        return sb
+
+    def get_warm(self, sandbox_id: str) -> LocalSandbox | None:
+        sb = self._sandboxes.get(sandbox_id)
+        return sb if sb is not None and sb.warm else None
+
+    def bind(self, sandbox_id: str, env: dict[str, str]) -> LocalSandbox:
+        """Hand a warm sandbox to its owner: it gets the request's env and becomes visible.
+
+        The state file is written before this returns, so a node that crashes right after never
+        puts it back in the pool.
+        """
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or not sb.warm or sb.status != "running":
+            raise NotFound(f"no ready warm sandbox {sandbox_id}", sandbox_id=sandbox_id)
+        sb.warm = False
+        sb.env = dict(env)
+        sb.claimed_at = time.time()
+        self._save(sb)
+        if sb.instance_id:
+            self.driver.set_cpu_shares(sb.instance_id, DEFAULT_CPU_SHARES)
         return sb
 
     # -- recovery ----------------------------------------------------------------------------
@@ -162,6 +199,7 @@ class SandboxManager:
         cpu: float,
         memory_mb: int,
         env: dict[str, str] | None = None,
+        warm: bool = False,
     ) -> LocalSandbox:
         async with self._lock(sandbox_id):
             existing = self._sandboxes.get(sandbox_id)
@@ -189,6 +227,7 @@ class SandboxManager:
                 env=dict(env or {}),
                 user=_template_user(info),
                 instance_id=ids.instance_id(sandbox_id),
+                warm=warm,
             )
             self._sandboxes[sandbox_id] = sb
             self._save(sb)
@@ -199,9 +238,26 @@ class SandboxManager:
             log.info("sandbox.created", sandbox=sandbox_id, **sb.timings)
             return sb
 
+    async def template_spec(self, sb: LocalSandbox) -> dict[str, Any]:
+        """The spec of the template ``sb`` was made from ({} when this node no longer has it)."""
+        spec = self._specs.get(sb.template_digest)
+        if spec is None:
+            found = [t for t in await self.templates.list()
+                     if t.name == sb.template and t.digest == sb.template_digest]
+            spec = dict(found[0].spec) if found else {}
+            self._specs[sb.template_digest] = spec
+        return spec
+
+    async def exec_defaults(self, sb: LocalSandbox) -> tuple[dict[str, str], str | None]:
+        """What every command in ``sb`` gets unless it says otherwise: (env, working directory),
+        the template's env under the sandbox's own."""
+        env, _user, workdir = startup.template_defaults(await self.template_spec(sb))
+        return {**env, **sb.env}, workdir
+
     async def _boot(self, sb: LocalSandbox, *, image: Path | None = None, t0: float | None = None) -> None:
         """Start a new runtime instance on ``rootfs`` (cold, or from a memory image) and connect
-        to its guest. On failure the sandbox is left ``dead`` (a retry boots again)."""
+        to its guest; a cold boot then runs the template's start command until it is ready. On
+        failure the sandbox is left ``dead`` (a retry boots again)."""
         t1 = time.perf_counter()
         assert sb.instance_id
         spec = InstanceSpec(
@@ -214,6 +270,7 @@ class SandboxManager:
             cpu=sb.cpu,
             memory_mb=sb.memory_mb,
             hostname=sb.id[:12],
+            cpu_shares=WARM_CPU_SHARES if sb.warm else None,
         )
         try:
             if image is None:
@@ -224,6 +281,9 @@ class SandboxManager:
             sb.channel = str(handle.channel)
             conn = await GuestConnection.connect(str(handle.channel), timeout=self.guest_timeout)
             self._guests[sb.id] = conn
+            t_guest = time.perf_counter()
+            if image is None:  # from memory, the start command is already running
+                await startup.start_and_wait(conn, await self.template_spec(sb))
         except BaseException:
             sb.status = "dead"
             sb.death = "boot_failed"
@@ -235,8 +295,9 @@ class SandboxManager:
         sb.timings = {
             **({"snapshot_ms": round((t1 - t0) * 1000, 2)} if t0 is not None else {}),
             ("runtime_restore_ms" if image is not None else "runtime_start_ms"): round((t2 - t1) * 1000, 2),
-            "guest_ready_ms": round((t3 - t2) * 1000, 2),
+            "guest_ready_ms": round((t_guest - t2) * 1000, 2),
             "guest_boot_ms": float(conn.hello.get("boot_ms", 0.0)),
+            **({"start_ready_ms": round((t3 - t_guest) * 1000, 2)} if t3 - t_guest > 0.001 else {}),
         }
         self._save(sb)
 
@@ -299,7 +360,10 @@ class SandboxManager:
 
     async def guest(self, sandbox_id: str) -> GuestConnection:
         """The live channel to the sandbox's guest daemon, reconnecting through the shim if needed."""
-        sb = self.get(sandbox_id)
+        return await self._guest(self.get(sandbox_id))
+
+    async def _guest(self, sb: LocalSandbox) -> GuestConnection:
+        sandbox_id = sb.id
         if sb.status == "dead":
             raise dead_error(sb)
         if sb.status != "running":
@@ -367,7 +431,7 @@ class SandboxManager:
                     continue
                 if sb.status == "running":
                     with contextlib.suppress(SpaceError):
-                        await self.guest(sb.id)  # (re)connects, and finds out if the instance died
+                        await self._guest(sb)  # (re)connects, and finds out if the instance died
                 else:
                     unsure.append(sb)  # a paused guest cannot answer: ask the runtime
             if unsure:

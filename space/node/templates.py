@@ -41,8 +41,8 @@ from typing import Any, Final
 
 import structlog
 
-from space.errors import NotFound, RuntimeFailure, SpaceError, ValidationFailed
-from space.node import privileged
+from space.errors import InvalidRequest, NotFound, RuntimeFailure, SpaceError, ValidationFailed
+from space.node import privileged, template_build, template_spec
 from space.node.pool import Pool, check_name, file_lock
 from space.objstore import ObjectStore
 
@@ -86,6 +86,10 @@ def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise ValidationFailed("template spec must be an object")
     spec = copy.deepcopy(spec)
+    if template_spec.is_derived(spec) or template_spec.is_saved(spec):
+        # The forms of space/node/template_spec.py: derived from a template, saved from a sandbox.
+        template_spec.validate_node_spec(spec, validate_spec, digest_of=spec_digest)
+        return spec
     missing = [k for k in ("name", "suite", "mirror", "packages", "user", "home") if k not in spec]
     if missing:
         raise ValidationFailed(f"template spec lacks {', '.join(missing)}", fields=missing)
@@ -115,6 +119,7 @@ def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
         or not re.fullmatch(r"[A-Za-z0-9._/-]+", home)
     ):
         raise bad("home", "must be a normalized absolute path")
+    template_spec.check_build_fields(spec)
     return spec
 
 
@@ -234,6 +239,8 @@ class TemplateStore:
         final = self.pool.template_path(name, digest)
         manifest = _manifest_path(final)
         label = f"{name}@{digest[:16]}"
+        if force and template_spec.is_saved(spec):
+            raise InvalidRequest(f"template {label} was saved from a sandbox: it cannot be rebuilt")
         if force:
             await emit(f"template {label}: forced rebuild")
             await self._delete(final)
@@ -262,6 +269,9 @@ class TemplateStore:
                 await emit(f"template {label}: cached stream unusable ({exc.message}); rebuilding")
                 await self._delete(final)
                 stream.unlink(missing_ok=True)
+        if template_spec.is_saved(spec):
+            raise NotFound(f"template {label} was saved from sandbox {spec['sandbox']} and cannot be rebuilt; "
+                           "its stream is not in object storage (nor in this node's cache)", template=name)
         return await self._build(spec, digest, emit)
 
     async def _fetch(self, name: str, digest: str, stream: Path, emit: Progress) -> None:
@@ -329,9 +339,12 @@ class TemplateStore:
         started = time.monotonic()
         log.info("template.build_started", template=label)
         try:
-            await self.pool.create_subvolume(work)
-            await self._builder(spec, work, self.cache_dir, emit)
-            await emit(f"[4/4] publish {label}")
+            if template_spec.is_derived(spec) or template_spec.has_build_steps(spec):
+                await template_build.build_custom(self, spec, work, emit)
+            else:
+                await self.pool.create_subvolume(work)
+                await self._builder(spec, work, self.cache_dir, emit)
+                await emit(f"[4/4] publish {label}")
             # The snapshot is the atomic publish: the final path only ever appears complete.
             await self.pool.snapshot(work, final, readonly=True)
         except BaseException as exc:

@@ -23,6 +23,9 @@ class InstanceSpec:
     cpu: float
     memory_mb: int
     hostname: str
+    #: Relative CPU weight under contention (cgroup ``cpu.shares``; None: the default 1024). Warm
+    #: pool sandboxes boot and wait with a low weight so they never slow down claimed ones.
+    cpu_shares: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,9 @@ class RuntimeDriver(Protocol):
 
     async def checkpoint(self, instance_id: str, image: Path) -> None:
         """Write the instance's memory state to ``image``, leaving it running (or paused) as it was."""
+
+    def set_cpu_shares(self, instance_id: str, shares: int) -> None:
+        """Change the instance's relative CPU weight now (see :attr:`InstanceSpec.cpu_shares`)."""
 
     async def kill(self, instance_id: str) -> None:
         """Kill every process of the instance at once; it still needs :meth:`stop`."""

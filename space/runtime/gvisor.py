@@ -135,6 +135,15 @@ class GVisorDriver:
                                           instance=instance_id) from None
             raise
 
+    def set_cpu_shares(self, instance_id: str, shares: int) -> None:
+        # One small cgroup write, synchronous on purpose: it is on the create hot path (a claim),
+        # and awaiting a thread would cost more than the write.
+        path = Path("/sys/fs/cgroup/cpu/space") / instance_id / "cpu.shares"
+        try:
+            path.write_text(str(shares))
+        except OSError as exc:
+            log.warning("instance.cpu_shares_failed", instance=instance_id, error=str(exc))
+
     async def kill(self, instance_id: str) -> None:
         """Kill every process of the instance now (fast); :meth:`stop` still has to remove it."""
         await privileged.run(*self._cmd("kill", "--all", instance_id, "KILL"), check=False, timeout=30)

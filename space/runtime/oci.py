@@ -25,6 +25,8 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
         "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
         "pids": {"limit": 4096},
     }
+    if spec.cpu_shares is not None:
+        resources["cpu"]["shares"] = spec.cpu_shares
     return {
         "ociVersion": "1.0.2",
         "process": {

@@ -13,9 +13,10 @@ from space.store.models import (
     SandboxEvent,
     Snapshot,
     Template,
+    WarmPool,
     new_snapshot,
 )
 from space.store.repo import Store
 
 __all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "SandboxEvent", "Snapshot",
-           "Store", "Template", "new_snapshot"]
+           "Store", "Template", "WarmPool", "new_snapshot"]

@@ -124,6 +124,20 @@ class Node(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class WarmPool(Base):
+    """How many booted, never-used sandboxes each node keeps ready for one template and size."""
+
+    __tablename__ = "warm_pools"
+
+    template: Mapped[str] = mapped_column(String(128), primary_key=True)
+    cpu: Mapped[float] = mapped_column(Float, primary_key=True)
+    memory_mb: Mapped[int] = mapped_column(Integer, primary_key=True)
+    #: Per node.
+    size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class Template(Base):
     __tablename__ = "templates"
 

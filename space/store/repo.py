@@ -52,6 +52,7 @@ from space.store.models import (
     SandboxEvent,
     Snapshot,
     Template,
+    WarmPool,
     utcnow,
 )
 
@@ -290,6 +291,36 @@ class Store:
         async with self._tx() as s:
             await s.execute(stmt)
             return await self._get(s, Template, name, "template")
+
+    # ---- warm pools -----------------------------------------------------------------------------
+
+    async def set_warm_pool(self, template: str, *, cpu: float, memory_mb: int, size: int) -> WarmPool:
+        """Set how many ready sandboxes each node keeps for ``template`` at this size; 0 removes it."""
+        if size < 0:
+            raise InvalidRequest("a warm pool size cannot be negative")
+        now = utcnow()
+        async with self._tx() as s:
+            row = await s.get(WarmPool, (template, cpu, memory_mb))
+            if size == 0:
+                if row is not None:
+                    await s.delete(row)
+                return WarmPool(template=template, cpu=cpu, memory_mb=memory_mb, size=0,
+                                created_at=now, updated_at=now)
+            if row is None:
+                row = WarmPool(template=template, cpu=cpu, memory_mb=memory_mb, size=size,
+                               created_at=now, updated_at=now)
+                s.add(row)
+            else:
+                row.size = size
+                row.updated_at = now
+            await s.flush()
+            return row
+
+    async def list_warm_pools(self) -> list[WarmPool]:
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(
+                select(WarmPool).order_by(WarmPool.template, WarmPool.cpu, WarmPool.memory_mb)
+            ))
 
     async def get_template(self, name: str) -> Template:
         async with self._tx(write=False) as s:

@@ -67,7 +67,8 @@ class Server:
         log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
         self.proc = subprocess.Popen(
             [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
-             "--pool-size-gb", "16", "--max-upload-mb", "64", *self.extra_args],
+             # No warm pool unless a test asks for one (--warm-pool N later wins).
+             "--pool-size-gb", "16", "--max-upload-mb", "64", "--warm-pool", "0", *self.extra_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
             # Keepalives every second so that every stream in the tests carries some.
             env={**os.environ, "SPACE_SSE_KEEPALIVE": "1", **self.env},

@@ -1,6 +1,7 @@
 from ._client import AsyncClient
 from ._commands import AsyncCommand
 from ._files import AsyncFiles
+from ._pools import AsyncPools
 from ._resources import AsyncApiKeys, AsyncOperations, AsyncTemplates
 from ._sandboxes import AsyncSandbox, AsyncSandboxes
 
@@ -10,6 +11,7 @@ __all__ = [
     "AsyncCommand",
     "AsyncFiles",
     "AsyncOperations",
+    "AsyncPools",
     "AsyncSandbox",
     "AsyncSandboxes",
     "AsyncTemplates",

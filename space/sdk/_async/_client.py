@@ -9,6 +9,7 @@ import httpx
 from space.sdk._models import JSON
 
 from ._http import AsyncHTTP
+from ._pools import AsyncPools
 from ._resources import AsyncApiKeys, AsyncOperations, AsyncTemplates
 from ._sandboxes import AsyncSandboxes
 
@@ -33,6 +34,7 @@ class AsyncClient:
         self.sandboxes = AsyncSandboxes(self._http, self.operations)
         self.templates = AsyncTemplates(self._http)
         self.apikeys = AsyncApiKeys(self._http)
+        self.pools = AsyncPools(self._http)
 
     @property
     def url(self) -> str:

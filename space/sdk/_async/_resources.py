@@ -65,11 +65,41 @@ class AsyncTemplates:
     async def get(self, name: str) -> JSON:
         return await self._http.json("GET", f"/v1/templates/{quote(name, safe='')}")
 
-    async def build(self, name: str, force: bool = False) -> Operation:
-        """Start a build and return its operation without waiting (follow it with ``operations``)."""
+    async def build(self, name: str, spec: JSON | None = None, force: bool = False) -> Operation:
+        """Start a build and return its operation without waiting (follow it with ``operations``).
+
+        ``spec`` is a template spec as ``space.node.template_spec.load`` reads it from a
+        ``space-template.toml`` (its files uploaded with :meth:`put_blob` first); without it the
+        template is rebuilt from its stored spec."""
         path = f"/v1/templates/{quote(name, safe='')}/build"
-        body = await self._http.json("POST", path, json={"force": force})
+        payload: JSON = {"force": force}
+        if spec is not None:
+            payload["spec"] = spec
+        body = await self._http.json("POST", path, json=payload)
         return Operation.from_json(body["operation"])
+
+    async def save(self, name: str, sandbox_id: str, snapshot: str | None = None) -> Operation:
+        """Save a sandbox as template ``name`` (from ``snapshot``, else from a disk snapshot taken
+        now); returns the ``template.save`` operation, whose result has the ``digest``."""
+        payload: JSON = {"name": name, "sandbox_id": sandbox_id}
+        if snapshot is not None:
+            payload["snapshot"] = snapshot
+        body = await self._http.json("POST", "/v1/templates", json=payload)
+        return Operation.from_json(body["operation"])
+
+    async def has_blob(self, sha256: str) -> bool:
+        """Whether the server stores the file with this sha256 (template specs refer to files so)."""
+        try:
+            await self._http.json("GET", f"/v1/templates/blobs/{quote(sha256, safe='')}")
+        except errors.NotFound:
+            return False
+        return True
+
+    async def put_blob(self, sha256: str, data: bytes) -> None:
+        """Upload a file a template spec refers to (the server checks ``sha256``)."""
+        timeout = httpx.Timeout(max(self._http.timeout, 600.0))
+        await self._http.request("PUT", f"/v1/templates/blobs/{quote(sha256, safe='')}", content=data,
+                                 headers={"content-type": "application/octet-stream"}, timeout=timeout)
 
 
 class AsyncApiKeys:

@@ -342,7 +342,9 @@ class AsyncSandboxes:
         reply = await self._http.json("POST", "/v1/sandboxes", json=body, headers=headers)
         op = Operation.from_json(reply["operation"])
         sandbox = AsyncSandbox(self._http, self._operations, reply["sandbox"], op)
-        if wait:
+        if op.done:  # a warm sandbox: the reply already describes it running
+            await sandbox._finish(op, False, None)
+        elif wait:
             await sandbox._finish(op, wait, timeout)
             await sandbox.refresh()
         return sandbox

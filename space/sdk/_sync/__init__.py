@@ -2,6 +2,7 @@
 from ._client import Client
 from ._commands import Command
 from ._files import Files
+from ._pools import Pools
 from ._resources import ApiKeys, Operations, Templates
 from ._sandboxes import Sandbox, Sandboxes
 
@@ -11,6 +12,7 @@ __all__ = [
     "Command",
     "Files",
     "Operations",
+    "Pools",
     "Sandbox",
     "Sandboxes",
     "Templates",

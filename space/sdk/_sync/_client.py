@@ -10,6 +10,7 @@ import httpx
 from space.sdk._models import JSON
 
 from ._http import SyncHTTP
+from ._pools import Pools
 from ._resources import ApiKeys, Operations, Templates
 from ._sandboxes import Sandboxes
 
@@ -34,6 +35,7 @@ class Client:
         self.sandboxes = Sandboxes(self._http, self.operations)
         self.templates = Templates(self._http)
         self.apikeys = ApiKeys(self._http)
+        self.pools = Pools(self._http)
 
     @property
     def url(self) -> str:

@@ -343,7 +343,9 @@ class Sandboxes:
         reply = self._http.json("POST", "/v1/sandboxes", json=body, headers=headers)
         op = Operation.from_json(reply["operation"])
         sandbox = Sandbox(self._http, self._operations, reply["sandbox"], op)
-        if wait:
+        if op.done:  # a warm sandbox: the reply already describes it running
+            sandbox._finish(op, False, None)
+        elif wait:
             sandbox._finish(op, wait, timeout)
             sandbox.refresh()
         return sandbox
