@@ -26,7 +26,7 @@ from space.store.models import Base
 pytestmark = pytest.mark.anyio
 
 TABLES = {"api_keys", "nodes", "templates", "sandboxes", "operations", "operation_logs", "snapshots",
-          "sandbox_events"}
+          "sandbox_events", "warm_pools"}
 
 
 def _diff(conn: Connection) -> list[Any]:
