@@ -150,8 +150,15 @@ class SandboxManager:
         sb.claimed_at = time.time()
         self._save(sb)
         if sb.instance_id:
+            self.driver.thaw(sb.instance_id)
             self.driver.set_cpu_shares(sb.instance_id, DEFAULT_CPU_SHARES)
         return sb
+
+    def freeze_warm(self, sandbox_id: str) -> None:
+        """Freeze a warm sandbox until it is claimed (:meth:`bind` thaws it): waiting costs no CPU."""
+        sb = self.get_warm(sandbox_id)
+        if sb is not None and sb.instance_id and sb.status == "running":
+            self.driver.freeze(sb.instance_id)
 
     # -- recovery ----------------------------------------------------------------------------
 

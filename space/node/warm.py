@@ -213,6 +213,7 @@ class WarmPool:
             st = self._keys.get(key)
             if sb.status == "running" and st is not None and len(st.ready) < st.effective:
                 st.ready.append(sb.id)
+                self.manager.freeze_warm(sb.id)  # (idempotent: it may be frozen already)
                 log.info("warm.adopted", sandbox=sb.id, key=key.label)
             else:
                 await self._discard(sb.id, "not needed after restart")
@@ -291,6 +292,7 @@ class WarmPool:
         finally:
             st.booting -= 1
             self._wake.set()
+        self.manager.freeze_warm(sid)
         st.backoff = BACKOFF_START
         st.last_error = None
         st.booted += 1

@@ -57,6 +57,13 @@ class RuntimeDriver(Protocol):
     def set_cpu_shares(self, instance_id: str, shares: int) -> None:
         """Change the instance's relative CPU weight now (see :attr:`InstanceSpec.cpu_shares`)."""
 
+    def freeze(self, instance_id: str) -> None:
+        """Stop every thread of the instance where it stands (cgroup freezer): it costs no CPU at
+        all until :meth:`thaw`. Nothing may talk to it meanwhile; kill and stop thaw it first."""
+
+    def thaw(self, instance_id: str) -> None:
+        """Undo :meth:`freeze` (idempotent: a thawed instance stays as it is)."""
+
     async def kill(self, instance_id: str) -> None:
         """Kill every process of the instance at once; it still needs :meth:`stop`."""
 

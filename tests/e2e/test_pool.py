@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,6 +74,9 @@ def test_create_binds_a_warm_sandbox_with_the_requests_env(pooled: Server, api: 
     _wait_ready(api, 2)
     warm = _warm_ids(pooled)
     assert len(warm) == 2
+    # Waiting costs no CPU: the warm ones are frozen (cgroup freezer) and weigh little.
+    assert {_cgroup(pooled, w, "freezer", "freezer.state") for w in warm} == {"FROZEN"}
+    assert {_cgroup(pooled, w, "cpu", "cpu.shares") for w in warm} == {"64"}
 
     r = _create(api, env={"GREETING": "hello from the request"}, metadata={"team": "a"})
     assert r.status_code == 201, r.text
@@ -83,6 +87,8 @@ def test_create_binds_a_warm_sandbox_with_the_requests_env(pooled: Server, api: 
     assert sb["id"] in warm, "the sandbox must be one the pool had booted"
     assert api.get(f"/v1/operations/{op['id']}").json()["status"] == "succeeded"
 
+    assert _cgroup(pooled, sb["id"], "freezer", "freezer.state") == "THAWED"
+    assert _cgroup(pooled, sb["id"], "cpu", "cpu.shares") == "1024"
     code, out, _ = run(api, sb["id"], {"shell": "echo $GREETING; whoami"})
     assert (code, out) == (0, b"hello from the request\nuser\n")
 
@@ -181,6 +187,11 @@ def test_cold_create_still_works_without_a_pool(pooled: Server, api: httpx.Clien
     sid = create_sandbox(api)  # asserts a 202 and a succeeded operation
     assert run(api, sid, {"cmd": ["true"]})[0] == 0
     api.delete(f"/v1/sandboxes/{sid}")
+
+
+def _cgroup(server: Server, sandbox_id: str, controller: str, name: str) -> str:
+    state = json.loads((server.data_dir / "pool" / "sandboxes" / sandbox_id / "state.json").read_text())
+    return (Path("/sys/fs/cgroup") / controller / "space" / state["instance_id"] / name).read_text().strip()
 
 
 def _warm_ids_of_size(server: Server, memory_mb: int) -> set[str]:

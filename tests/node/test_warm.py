@@ -51,6 +51,7 @@ class FakeManager:
         self.templates = FakeTemplates()
         self.sandboxes: dict[str, LocalSandbox] = {}
         self.deleted: list[str] = []
+        self.frozen: set[str] = set()
         self.fail_boots = 0
         self.concurrent = 0
         self.max_concurrent = 0
@@ -82,6 +83,9 @@ class FakeManager:
         sb.warm = False
         sb.env = dict(env)
         return sb
+
+    def freeze_warm(self, sid: str) -> None:
+        self.frozen.add(sid)
 
     def get_warm(self, sid: str) -> LocalSandbox | None:
         sb = self.sandboxes.get(sid)
@@ -120,6 +124,7 @@ async def test_fills_one_at_a_time_and_claims_oldest_once(tmp_path: Path) -> Non
     async def check() -> None:
         await await_for(lambda: _ready(pool, 3), 10, "3 ready")
         assert m.max_concurrent == 1
+        assert set(pool._keys[KEY].ready) <= m.frozen  # waiting costs no CPU
         order = list(pool._keys[KEY].ready)
         sb = pool.claim(KEY, {"A": "1"})
         assert sb.id == order[0] and not sb.warm and sb.env == {"A": "1"}
