@@ -33,6 +33,8 @@ class Policies:
         self.nodes = nodes
         self.ops = ops
         self._pruned: dict[str, float] = {}
+        #: (sandbox, kind) → the newest snapshot time this process knows of.
+        self._last_seen: dict[tuple[str, str], dt.datetime] = {}
 
     async def tick(self, now: dt.datetime | None = None) -> int:
         """Apply every policy once; returns how many operations were enqueued."""
@@ -40,8 +42,12 @@ class Policies:
         busy = {op.target for op in await self.store.find_operations(status=["pending", "running"])}
         in_use: set[str] | None = None  # read once per tick, when some sandbox is due for pruning
         enqueued = 0
-        for sb in await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value,
-                                                          State.SUSPENDED.value]):
+        live = await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value,
+                                                       State.SUSPENDED.value])
+        ids = {sb.id for sb in live}
+        for key in [k for k in self._last_seen if k[0] not in ids]:
+            del self._last_seen[key]
+        for sb in live:
             if sb.id in busy:
                 continue
             try:
@@ -115,12 +121,21 @@ class Policies:
         policy = retention.SnapshotPolicy.from_dict(sb.snapshot_policy or None)
         n = 0
         for kind in ("disk", "full"):
+            if policy.interval(kind) is None:
+                continue
+            # The newest snapshot is never older than what we last saw: while that is not due, the
+            # database need not be asked (one query per interval, not two per sandbox per tick).
+            seen = self._last_seen.get((sb.id, kind))
+            if seen is not None and not retention.due(policy, kind, seen, now):
+                continue
             latest = await self.store.latest_snapshot(sb.id, kind=kind, restorable=None)
             last = latest.created_at if latest is not None else sb.created_at
+            self._last_seen[(sb.id, kind)] = last
             if not retention.due(policy, kind, last, now):
                 continue
             snap = new_snapshot(sb, kind, "schedule")
             await self._enqueue(sb, "snapshot.create", {"snapshot": snap.id, "kind": kind}, snapshot=snap)
+            self._last_seen[(sb.id, kind)] = now
             n += 1
         return n
 

@@ -73,7 +73,7 @@ class GVisorDriver:
         try:
             # A fork+exec of a tiny process: quicker inline than through a thread.
             shim = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-s", "-m", "space.runtime.shim",
+                [sys.executable, "-s", "-S", "-m", "space.runtime.shim",
                  "--socket", str(channel),
                  "--to-guest-fd", str(to_guest_w),
                  "--from-guest-fd", str(from_guest_r),
@@ -115,8 +115,12 @@ class GVisorDriver:
 
     async def pause(self, instance_id: str) -> None:
         await privileged.run(*self._cmd("pause", instance_id), timeout=60)
+        # `runsc pause` stops the guest but the sentry keeps polling (~30 ms of CPU per second on
+        # systrap); frozen as well, a paused sandbox costs nothing until it is resumed.
+        self.freeze(instance_id)
 
     async def resume(self, instance_id: str) -> None:
+        self.thaw(instance_id)
         await privileged.run(*self._cmd("resume", instance_id), timeout=60)
 
     async def checkpoint(self, instance_id: str, image: Path) -> None:
@@ -126,6 +130,9 @@ class GVisorDriver:
         would kill it, which is why we never use it.
         """
         image.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 -- one mkdir
+        frozen = self._frozen(instance_id)
+        if frozen:  # a paused sandbox: the sentry must answer (it stays paused by runsc meanwhile)
+            self.thaw(instance_id)
         try:
             await privileged.run(*self._cmd("checkpoint", "--leave-running", "--image-path", str(image),
                                             instance_id), timeout=1800)
@@ -134,6 +141,9 @@ class GVisorDriver:
                 raise InsufficientStorage(f"no room in the pool for the memory image of {instance_id}",
                                           instance=instance_id) from None
             raise
+        finally:
+            if frozen:
+                self.freeze(instance_id)
 
     def set_cpu_shares(self, instance_id: str, shares: int) -> None:
         # One small cgroup write, synchronous on purpose: it is on the create hot path (a claim),
@@ -164,6 +174,14 @@ class GVisorDriver:
             return bool((_FREEZER / instance_id / "cgroup.procs").read_text().strip())
         except OSError:
             return False
+
+    def _recorded_status(self, instance_id: str) -> str:
+        for f in self.state_root.glob(f"*_sandbox:{instance_id}.state"):
+            try:
+                return str(json.loads(f.read_text()).get("status") or "running")
+            except (OSError, ValueError):
+                break
+        return "running"
 
     def _instances_on_disk(self) -> set[str]:
         """Container ids runsc keeps state for under our root (``<sandbox>_sandbox:<id>.state``)."""
@@ -200,8 +218,9 @@ class GVisorDriver:
 
     async def state(self, instance_id: str) -> str | None:
         if self._frozen(instance_id):
-            # `runsc state` asks the sandbox, and a frozen one cannot answer: its cgroup can.
-            return "running" if self._has_processes(instance_id) else None
+            # `runsc state` asks the sandbox, and a frozen one cannot answer: its cgroup can say
+            # whether it lives, and runsc's own record whether it was paused (or is a warm one).
+            return self._recorded_status(instance_id) if self._has_processes(instance_id) else None
         res = await privileged.run(*self._cmd("state", instance_id), check=False, timeout=30)
         if res.returncode != 0:
             return None
