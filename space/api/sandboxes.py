@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from space import ids
+from space import failpoints, ids
 from space.api import views
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
@@ -110,6 +110,7 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse
         except SpaceError as exc:
             log.warning("warm.claim_failed", node=node_row.id, error=str(exc))
             continue
+        await failpoints.hit("api.after_warm_claim")
         sb.id = op.target = str(info["id"])
         sb.node_id, sb.instance_id = node_row.id, info.get("instance_id")
         sb.template_digest = info.get("template_digest")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -38,7 +39,7 @@ CRASH_WINDOW = 600.0
 
 #: A sandbox claimed from a warm pool has no row for a moment: reconcile leaves it alone this long
 #: (an API that died between claim and insert leaves one, removed after this).
-CLAIM_GRACE = 60.0
+CLAIM_GRACE = float(os.environ.get("SPACE_CLAIM_GRACE", "60"))
 
 #: What a node's heartbeat records for placement (see space.controller.placement).
 HEARTBEAT_FIELDS = ("pool", "sandboxes", "templates", "cpus", "memory_mb", "committed_cpu",

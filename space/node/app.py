@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -209,8 +209,12 @@ def create_node_app(
         return {"pools": _warm().set_targets([t.model_dump() for t in body.targets])}
 
     @r.post("/pool/claim")
-    async def claim(body: ClaimRequest) -> dict[str, Any]:
+    async def claim(body: ClaimRequest, after: BackgroundTasks) -> dict[str, Any]:
         sb = _warm().claim(PoolKey(body.template, body.cpu, body.memory_mb), body.env)
+        # The claimed one was the pool's thawed head: it only needs its full CPU weight. The next
+        # head is thawed once the answer is on its way (a waking sentry burns ~20 ms of CPU).
+        after.add_task(manager.activate, sb.id)
+        after.add_task(_warm().heat)
         return sandbox_view(sb)
 
     # -- templates -------------------------------------------------------------------------

@@ -149,16 +149,28 @@ class SandboxManager:
         sb.env = dict(env)
         sb.claimed_at = time.time()
         self._save(sb)
-        if sb.instance_id:
-            self.driver.thaw(sb.instance_id)
-            self.driver.set_cpu_shares(sb.instance_id, DEFAULT_CPU_SHARES)
         return sb
 
+    def activate(self, sandbox_id: str) -> None:
+        """Wake a claimed warm sandbox: thawed, at the normal CPU weight (idempotent). Recovery does
+        it too, for a node that stopped between a claim and this."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None and not sb.warm and sb.instance_id and sb.status == "running":
+            self.driver.thaw(sb.instance_id)
+            self.driver.set_cpu_shares(sb.instance_id, DEFAULT_CPU_SHARES)
+
     def freeze_warm(self, sandbox_id: str) -> None:
-        """Freeze a warm sandbox until it is claimed (:meth:`bind` thaws it): waiting costs no CPU."""
+        """Freeze a warm sandbox while it waits: it costs no CPU (:meth:`activate` thaws it)."""
         sb = self.get_warm(sandbox_id)
         if sb is not None and sb.instance_id and sb.status == "running":
             self.driver.freeze(sb.instance_id)
+
+    def thaw_warm(self, sandbox_id: str) -> None:
+        """Thaw a warm sandbox ahead of its claim, still at the warm CPU weight: a sentry waking
+        from the freezer burns ~20 ms of CPU at once, which must not land on a create."""
+        sb = self.get_warm(sandbox_id)
+        if sb is not None and sb.instance_id and sb.status == "running":
+            self.driver.thaw(sb.instance_id)
 
     # -- recovery ----------------------------------------------------------------------------
 
@@ -181,6 +193,10 @@ class SandboxManager:
                 known.add(sb.instance_id)
                 if sb.status != "stopping":
                     sb.status = "paused" if live == "paused" else "running"
+                if sb.status == "running" and not sb.warm:
+                    # Claimed just before a stop, before it was woken: it must not stay frozen.
+                    self.driver.thaw(sb.instance_id)
+                    self.driver.set_cpu_shares(sb.instance_id, DEFAULT_CPU_SHARES)
             elif sb.status != "stopping":
                 sb.status = "dead"
             self._sandboxes[sb.id] = sb

@@ -2,8 +2,10 @@
 
 For each *key* (template, cpu, memory) the control plane asks for, the node keeps ``size`` sandboxes
 booted from the template's newest digest, each on its own writable snapshot with its guest daemon
-connected. A create claims the oldest ready one (:meth:`WarmPool.claim`): the sandbox gets its
-owner's env and becomes visible — nothing else has to happen on the hot path. A refill loop boots
+connected. They wait frozen (cgroup freezer: no CPU at all) and at a low CPU weight, except the
+next one to be claimed, which waits thawed so that no create pays for waking a sentry. A create
+claims that one (:meth:`WarmPool.claim`): the sandbox gets its owner's env and becomes visible —
+nothing else has to happen on the hot path. A refill loop boots
 replacements in the background, one at a time, so that refilling never takes both cores from the
 sandboxes that are already working.
 
@@ -71,6 +73,8 @@ class _KeyState:
     #: What the budget allows of ``size``.
     effective: int = 0
     ready: deque[str] = dataclasses.field(default_factory=deque)
+    #: The next to be claimed (``ready[0]``), kept thawed; the others wait frozen.
+    hot: str | None = None
     booting: int = 0
     claimed: int = 0
     booted: int = 0
@@ -196,6 +200,7 @@ class WarmPool:
             except SpaceError:
                 continue  # died while waiting: the refill loop removes it
             st.claimed += 1
+            st.hot = None
             self._last_claim = time.monotonic()
             self._wake.set()
             log.info("warm.claimed", sandbox=sid, key=key.label, ready=len(st.ready))
@@ -217,6 +222,7 @@ class WarmPool:
                 log.info("warm.adopted", sandbox=sb.id, key=key.label)
             else:
                 await self._discard(sb.id, "not needed after restart")
+        self.heat()
 
     async def run(self) -> None:
         """Keep every key at its size: boot what is missing, drain what is extra or stale."""
@@ -259,6 +265,7 @@ class WarmPool:
                 else:
                     keep.append(sid)
             st.ready = keep
+            self._heat(st)
             if current is None or now < st.retry_at:
                 continue
             if quiet_in > 0:
@@ -298,8 +305,19 @@ class WarmPool:
         st.booted += 1
         st.boot_ms.append((time.perf_counter() - t0) * 1000)
         st.ready.append(sid)
+        self._heat(st)
         log.info("warm.ready", sandbox=sid, key=key.label, ready=len(st.ready),
                  boot_ms=round(st.boot_ms[-1], 1))
+
+    def heat(self) -> None:
+        """Thaw the next sandbox to be claimed of every key (after a claim took the previous one)."""
+        for st in self._keys.values():
+            self._heat(st)
+
+    def _heat(self, st: _KeyState) -> None:
+        if st.ready and st.hot != st.ready[0]:
+            st.hot = st.ready[0]
+            self.manager.thaw_warm(st.hot)
 
     async def _discard(self, sandbox_id: str, why: str) -> None:
         log.info("warm.discarded", sandbox=sandbox_id, reason=why)

@@ -70,7 +70,9 @@ def create_engine(url: str | URL) -> AsyncEngine:
     if parsed.get_backend_name() == "sqlite":
         assert parsed.database is not None
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(parsed)
+        # Every transaction ends in an explicit COMMIT or ROLLBACK (the session's begin() block), so
+        # the pool's reset-on-return ROLLBACK is one more trip to aiosqlite's thread for nothing.
+        engine = create_async_engine(parsed, pool_reset_on_return=None)
         _install_sqlite_hooks(engine)
         return engine
     return create_async_engine(parsed, pool_pre_ping=True)

@@ -87,6 +87,9 @@ class FakeManager:
     def freeze_warm(self, sid: str) -> None:
         self.frozen.add(sid)
 
+    def thaw_warm(self, sid: str) -> None:
+        self.frozen.discard(sid)
+
     def get_warm(self, sid: str) -> LocalSandbox | None:
         sb = self.sandboxes.get(sid)
         return sb if sb is not None and sb.warm else None
@@ -124,13 +127,18 @@ async def test_fills_one_at_a_time_and_claims_oldest_once(tmp_path: Path) -> Non
     async def check() -> None:
         await await_for(lambda: _ready(pool, 3), 10, "3 ready")
         assert m.max_concurrent == 1
-        assert set(pool._keys[KEY].ready) <= m.frozen  # waiting costs no CPU
+        # Waiting costs no CPU, but for the next one to be claimed: it waits thawed.
+        head, *rest = pool._keys[KEY].ready
+        assert head not in m.frozen and set(rest) <= m.frozen
         order = list(pool._keys[KEY].ready)
         sb = pool.claim(KEY, {"A": "1"})
         assert sb.id == order[0] and not sb.warm and sb.env == {"A": "1"}
         # Refilled, and the claimed one never comes back.
         await await_for(lambda: _ready(pool, 3), 10, "refill")
         assert sb.id not in pool._keys[KEY].ready
+        pool.heat()
+        head, *rest = pool._keys[KEY].ready
+        assert head not in m.frozen and set(rest) <= m.frozen
         with pytest.raises(PoolEmpty):
             pool.claim(PoolKey("base", 2.0, 512), {})
 
