@@ -369,6 +369,7 @@ class Controller:
             if row.state != "ready":
                 log.info("node.up", node=row.id)
             await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+        self.nodes.invalidate_rows()
 
     async def warm_targets(self) -> list[dict[str, Any]]:
         return [{"template": p.template, "cpu": p.cpu, "memory_mb": p.memory_mb, "size": p.size}
@@ -384,6 +385,7 @@ class Controller:
                 await self.store.heartbeat_node(node.node_id, {**(row.capacity or {}), "warm": status})
             except SpaceError as exc:  # the next heartbeat converges it
                 log.warning("warm.push_failed", node=node.node_id, error=str(exc))
+        self.nodes.invalidate_rows()
 
     async def reconcile(self) -> None:
         """Converge nodes with the database: remove what nobody wants, flag what died."""

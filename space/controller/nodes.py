@@ -41,6 +41,10 @@ class NodeRegistry:
             assert self._rows is not None
             return self._rows[1]
 
+    def invalidate_rows(self) -> None:
+        """Forget the cached rows (this replica just changed what they say)."""
+        self._rows = None
+
     def _fresh(self) -> bool:
         return (self._rows is not None and bool(self._rows[1])
                 and time.monotonic() - self._rows[0] <= self.rows_ttl)

@@ -163,3 +163,38 @@ def test_concurrent_restores_on_a_fresh_node_share_one_template_download(
         assert node.info()["template_downloads"] == 1
         for p in pair:
             _assert_intact(api, p, node)
+
+
+def test_creates_go_where_the_template_and_the_warm_pool_are(
+    primary: Server, api: httpx.Client, tmp_path: Path
+) -> None:
+    """Placement end to end: node-1 has the template but is busier; an empty node without the
+    template loses a cold create to it (no download), and a warm create is served where the pool
+    could be filled."""
+    busy = create_sandbox(api, memory_mb=2048)
+    placed: list[str] = [busy]
+    try:
+        assert api.get(f"/v1/sandboxes/{busy}").json()["node_id"] == "node-1"
+        with extra_node(primary, api, "node-4", tmp_path) as node:
+            def heartbeat_seen() -> bool:
+                nodes = {n["id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+                return "templates" in (nodes.get("node-4", {}).get("capacity") or {})
+            wait_for(heartbeat_seen, 60, "node-4's first heartbeat")
+
+            sid = create_sandbox(api, memory_mb=768)  # cold: no pool of that size
+            placed.append(sid)
+            assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == "node-1"
+
+            assert api.put("/v1/pools/base", json={"size": 1}).status_code == 200
+            wait_for(lambda: api.get("/v1/pools").json()["pools"][0]["nodes"].get("node-1", {}).get("ready"),
+                     120, "a warm sandbox on node-1")
+            r = api.post("/v1/sandboxes", json={"template": "base"})
+            assert r.status_code == 201, r.text
+            placed.append(r.json()["sandbox"]["id"])
+            assert r.json()["sandbox"]["node_id"] == "node-1"
+            # node-4 never needed the template: nothing was placed there, nothing downloaded.
+            assert node.info()["template_downloads"] == 0 and node.info()["sandboxes"] == 0
+            assert api.put("/v1/pools/base", json={"size": 0}).status_code == 200
+    finally:
+        for sid in placed:
+            _delete(api, sid)
