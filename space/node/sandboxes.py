@@ -258,6 +258,11 @@ class SandboxManager:
             if not await self.pool.is_subvolume(rootfs):
                 await self.pool.snapshot(info.path, rootfs)
             await self._boot(sb, t0=t0)
+            if warm:
+                try:  # a warm sandbox's first command should not pay for the first exec
+                    await startup.prime(self._guests[sandbox_id], sb.user)
+                except (SpaceError, TimeoutError) as exc:
+                    log.warning("sandbox.prime_failed", sandbox=sandbox_id, error=str(exc))
             log.info("sandbox.created", sandbox=sandbox_id, **sb.timings)
             return sb
 

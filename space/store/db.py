@@ -16,7 +16,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, event, text
+from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -78,8 +79,24 @@ def create_engine(url: str | URL) -> AsyncEngine:
     return create_async_engine(parsed, pool_pre_ping=True)
 
 
+def create_sqlite_fast_writer(engine: AsyncEngine) -> Engine | None:
+    """A synchronous engine on the same SQLite file, for the one write on the create hot path
+    (see ``Store.create_sandbox``): a two-row insert costs ~0.6 ms through it against ~3 ms through
+    the async session and aiosqlite's thread. None for other databases."""
+    if engine.dialect.name != "sqlite":
+        return None
+    url = engine.url.set(drivername="sqlite")
+    fast = create_sync_engine(url, pool_size=1, max_overflow=0, pool_reset_on_return=None)
+    _install_sqlite_hooks_on(fast)
+    return fast
+
+
 def _install_sqlite_hooks(engine: AsyncEngine) -> None:
-    @event.listens_for(engine.sync_engine, "connect")
+    _install_sqlite_hooks_on(engine.sync_engine)
+
+
+def _install_sqlite_hooks_on(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we emit BEGIN ourselves, see the module doc
         cursor = dbapi_connection.cursor()
@@ -89,7 +106,7 @@ def _install_sqlite_hooks(engine: AsyncEngine) -> None:
         finally:
             cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         write = conn.get_execution_options().get(WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -30,6 +30,7 @@ from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, upd
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from space import ids
 from space.errors import Conflict, Internal, InvalidRequest, InvalidState, NotFound, Unavailable
@@ -102,6 +103,11 @@ class Store:
         self._sessionmaker = async_sessionmaker(writer, expire_on_commit=False)
         self._reader = async_sessionmaker(engine, expire_on_commit=False)
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+        self._fast = db.create_sqlite_fast_writer(engine)
+        self._fast_sessions = (
+            sessionmaker(self._fast.execution_options(**{db.WRITE_OPTION: True}), expire_on_commit=False)
+            if self._fast is not None else None
+        )
 
     @classmethod
     async def open(cls, url: str) -> Store:
@@ -118,6 +124,8 @@ class Store:
 
     async def close(self) -> None:
         await self._engine.dispose()
+        if self._fast is not None:
+            self._fast.dispose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -343,6 +351,16 @@ class Store:
             op.target = sandbox.id
         now = utcnow()
         _prepare_sandbox(sandbox, now)
+        if self._fast_sessions is not None and op.idempotency_key is None:
+            # SQLite, nothing to look up first: the two-row insert synchronously, under the same
+            # single-writer lock as every other write (~0.6 ms of the loop instead of ~3 ms of
+            # trips to aiosqlite's thread, on every create's critical path).
+            _prepare_operation(op, now)
+            assert self._write_lock is not None
+            async with self._write_lock:
+                with _translate_errors(), self._fast_sessions() as fs, fs.begin():
+                    fs.add_all([sandbox, op])
+            return sandbox, op, True
 
         async def replay(s: AsyncSession, prior: Operation) -> tuple[Sandbox, Operation, bool]:
             sb = await s.get(Sandbox, prior.target)

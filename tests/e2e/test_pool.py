@@ -89,6 +89,8 @@ def test_create_binds_a_warm_sandbox_with_the_requests_env(pooled: Server, api: 
     assert api.get(f"/v1/operations/{op['id']}").json()["status"] == "succeeded"
 
     assert _cgroup(pooled, sb["id"], "freezer", "freezer.state") == "THAWED"
+    # Primed in the pool (one `true` as its user, forgotten): nothing shows in its command list.
+    assert api.get(f"/v1/sandboxes/{sb['id']}/commands").json()["commands"] == []
     wait_for(lambda: _cgroup(pooled, sb["id"], "cpu", "cpu.shares") == "1024", 10, "its full CPU weight")
     code, out, _ = run(api, sb["id"], {"shell": "echo $GREETING; whoami"})
     assert (code, out) == (0, b"hello from the request\nuser\n")
