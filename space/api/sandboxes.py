@@ -100,7 +100,7 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse
     """
     req = placement.Request(sb.template, sb.cpu, sb.memory_mb)
     claim = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
-    for node_row in placement.warm_candidates(await st.nodes.ready_rows(), req):
+    for node_row in placement.warm_candidates(placement.fresh(await st.nodes.ready_rows()), req):
         node = await st.nodes.client(node_row.id)
         t0 = time.perf_counter()
         try:

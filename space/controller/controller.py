@@ -259,6 +259,11 @@ class Controller:
         body = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
         try:
             info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
+        except Unavailable:
+            # The node went away (its heartbeats will mark it down): the retry places the sandbox
+            # anew. Should the node have created it after all, reconcile removes it there.
+            await self.store.update_sandbox(sb.id, node_id=None)
+            raise
         except NotFound:
             # A node that joined after the template was built: materialize it there (from the
             # object store or the host cache when it can, else by building), then create.

@@ -78,7 +78,7 @@ class NodeRegistry:
         if len(nodes) == 1:  # nothing to weigh
             return await self.client(nodes[0].id)
         req = req or placement.Request(template="", cpu=1.0, memory_mb=512)
-        best = placement.rank(nodes, req, await self.committed())[0]
+        best = placement.rank(placement.fresh(nodes), req, await self.committed())[0]
         log.debug("placement.chosen", node=best.id, template=req.template)
         return await self.client(best.id)
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from space.store import Node
 
 MEMORY_OVERCOMMIT: Final = 4.0
+#: Seconds without a heartbeat after which a node is passed over (heartbeats come every 5 s).
+STALE_AFTER: Final = 12.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,15 @@ def _load(capacity: dict[str, Any], used: Committed, req: Request) -> tuple[bool
     cpus = float(capacity.get("cpus") or 0) or 1.0
     over = used.memory_mb + req.memory_mb > mem * MEMORY_OVERCOMMIT
     return over, used.memory_mb / mem, used.cpu / cpus
+
+
+def fresh(nodes: Sequence[Node], now: datetime | None = None) -> list[Node]:
+    """The nodes heard from within :data:`STALE_AFTER` seconds, or all of them if none is: a node
+    that stopped answering is still ``ready`` until its heartbeats mark it down, and placing work on
+    it in the meantime only fails."""
+    now = now or datetime.now(UTC)
+    recent = [n for n in nodes if n.heartbeat_at is None or (now - n.heartbeat_at).total_seconds() <= STALE_AFTER]
+    return recent or list(nodes)
 
 
 def rank(nodes: Sequence[Node], req: Request, committed: Mapping[str, Committed] | None = None) -> list[Node]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from space.controller.placement import Committed, Request, keeps_pool, rank, warm_candidates, warm_ready
+from space.controller.placement import Committed, Request, fresh, keeps_pool, rank, warm_candidates, warm_ready
 from space.store import Node
 
 REQ = Request("base", 1.0, 512)
@@ -74,3 +74,15 @@ def test_missing_heartbeat_fields_do_not_break_ranking() -> None:
     bare = Node(id="bare", url="http://x", token="t", state="ready", capacity={})
     legacy = Node(id="legacy", url="http://x", token="t", state="ready", capacity={"sandboxes": 3})
     assert set(ids(rank([bare, legacy], REQ))) == {"bare", "legacy"}
+
+
+def test_nodes_not_heard_from_lately_are_passed_over_unless_none_is_fresh() -> None:
+    import datetime as dt
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    live = node("live", templates=["base"])
+    gone = node("gone", templates=["base"], warm=[pool(2)])
+    live.heartbeat_at = now - dt.timedelta(seconds=3)
+    gone.heartbeat_at = now - dt.timedelta(seconds=40)
+    assert ids(fresh([live, gone], now)) == ["live"]
+    assert ids(fresh([gone], now)) == ["gone"]  # nothing better: try it rather than nothing
