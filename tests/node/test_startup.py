@@ -9,7 +9,6 @@ spec without a start command does nothing. Everything runs on the host's loopbac
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,29 +17,11 @@ from space.errors import RuntimeFailure
 from space.node.guest_client import GuestConnection
 from space.node.startup import start_and_wait
 from tests.e2e.harness import free_port
-from tests.guest.guest_harness import HostGuest, connected
+from tests.guest.fixtures import anyio_backend, conn, guest
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def guest() -> Iterator[HostGuest]:
-    g = HostGuest().start()
-    try:
-        yield g
-    finally:
-        g.stop()  # kills the commands it started (the start commands here)
-
-
-@pytest.fixture
-async def conn(guest: HostGuest) -> AsyncIterator[GuestConnection]:
-    async with connected(guest.socket, timeout=15) as c:
-        yield c
+__all__ = ["anyio_backend", "conn", "guest"]  # fixtures
 
 
 async def test_port_readiness_returns_once_the_server_listens(conn: GuestConnection, tmp_path: Path) -> None:
