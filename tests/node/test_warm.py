@@ -60,7 +60,11 @@ class FakeManager:
         self.concurrent += 1
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         try:
-            await asyncio.sleep(0)  # a boot yields to the loop, as a real one does
+            # A boot yields to the loop once, as a real one does (so overlapping boots would show).
+            loop = asyncio.get_running_loop()
+            turn = loop.create_future()
+            loop.call_soon(turn.set_result, None)
+            await turn
             if self.fail_boots:
                 self.fail_boots -= 1
                 raise RuntimeFailure("boot failed")
