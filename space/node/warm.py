@@ -184,10 +184,6 @@ class WarmPool:
             })
         return out
 
-    def ready_count(self, key: PoolKey) -> int:
-        st = self._keys.get(key)
-        return len(st.ready) if st is not None else 0
-
     # -- the hot path --------------------------------------------------------------------------
 
     def claim(self, key: PoolKey, env: dict[str, str]) -> LocalSandbox:
