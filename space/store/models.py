@@ -276,6 +276,28 @@ class SandboxEvent(Base):
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
+class AuditRecord(Base):
+    """One audited act: a mutating API call, an egress decision, a secret resolved or injected.
+
+    Rows are only ever appended. ``actor`` is an API key id, ``gateway:<node>`` or ``system``;
+    ``result`` is ``ok``, ``denied`` or the stable error code of a failed call.
+    """
+
+    __tablename__ = "audit_log"
+    # AUTOINCREMENT: ids are never reused, so ``after=<last id seen>`` stays a valid cursor.
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(512), default="")
+    result: Mapped[str] = mapped_column(String(64))
+    status: Mapped[int | None] = mapped_column(Integer)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
 def new_snapshot(sb: Sandbox, kind: str, origin: str) -> Snapshot:
     """The row of a snapshot about to be taken of ``sb`` (``creating``, not restorable yet)."""
     return Snapshot(id=ids.snapshot_id(), tenant=sb.tenant, sandbox_id=sb.id, kind=kind, origin=origin,

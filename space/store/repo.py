@@ -45,6 +45,7 @@ from space.store.models import (
     SNAPSHOT_STATUSES,
     TEMPLATE_STATUSES,
     ApiKey,
+    AuditRecord,
     Base,
     Node,
     Operation,
@@ -671,6 +672,42 @@ class Store:
         )
         async with self._tx(write=False) as s:
             return list(await s.scalars(q))
+
+    # ---- audit ----------------------------------------------------------------------------------
+
+    async def record_audit(self, records: Sequence[AuditRecord]) -> None:
+        """Append audit records in one transaction (a gateway ships its decisions in batches)."""
+        if not records:
+            return
+        now = utcnow()
+        for rec in records:
+            rec.at = rec.at or now
+            rec.target = rec.target or ""
+            rec.details = dict(rec.details or {})
+        async with self._tx() as s:
+            s.add_all(records)
+
+    async def list_audit(
+        self,
+        tenant: str | None,
+        *,
+        action: str | None = None,
+        target: str | None = None,
+        after: int = 0,
+        limit: int = 100,
+    ) -> list[AuditRecord]:
+        """Records with ``id > after``, oldest first. ``action`` ending in ``.`` matches a prefix
+        (``egress.`` → every egress decision); ``tenant=None`` is every tenant (admins)."""
+        q = select(AuditRecord).where(AuditRecord.id > after)
+        if tenant is not None:
+            q = q.where(AuditRecord.tenant == tenant)
+        if action:
+            q = q.where(AuditRecord.action.startswith(action) if action.endswith(".")
+                        else AuditRecord.action == action)
+        if target:
+            q = q.where(AuditRecord.target == target)
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q.order_by(AuditRecord.id).limit(limit)))
 
     # ---- operations -----------------------------------------------------------------------------
 
