@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -188,6 +189,13 @@ class Sandbox(Base):
     source_snapshot: Mapped[str | None] = mapped_column(String(64))
     #: While suspended: the snapshot that holds its state (so it must not be deleted).
     snapshot_id: Mapped[str | None] = mapped_column(String(64))
+    #: The middle level of secret scopes (tenant → project → sandbox); "" is none.
+    project: Mapped[str] = mapped_column(String(128), default="")
+    #: Egress policy (``space.gateway.policy``): ``{"allow": [...], "deny": [...]}``; empty is the
+    #: tenant's default. Follows the sandbox through pause, fork, suspend and restore.
+    egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: Names of the secrets bound to it, resolved by scope when it is placed on a node.
+    secrets: Mapped[list[str]] = mapped_column(JSON, default=list)
 
 
 class Operation(Base):
@@ -274,6 +282,54 @@ class SandboxEvent(Base):
     kind: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class TenantQuota(Base):
+    """Limits on what a tenant may hold at once; a NULL column is unlimited."""
+
+    __tablename__ = "tenant_quotas"
+
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    sandboxes: Mapped[int | None] = mapped_column(Integer)
+    cpu: Mapped[float | None] = mapped_column(Float)
+    memory_mb: Mapped[int | None] = mapped_column(Integer)
+    storage_mb: Mapped[int | None] = mapped_column(Integer)
+    #: The tenant's default egress policy for sandboxes created without one.
+    egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Secret(Base):
+    """A credential kept outside every sandbox, injected by the egress gateway.
+
+    ``scope`` is ``tenant``, ``project:<name>`` or ``sandbox:<id>``; the most specific scope that
+    holds a name wins. The value is never stored in clear: ``ciphertext`` for the built-in backend
+    (AES-GCM under the deployment's key ``key_id``), or ``ref`` into an external vault backend.
+    """
+
+    __tablename__ = "secrets"
+    __table_args__ = (UniqueConstraint("tenant", "scope", "name"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    scope: Mapped[str] = mapped_column(String(200), default="tenant")
+    name: Mapped[str] = mapped_column(String(128))
+    backend: Mapped[str] = mapped_column(String(32), default="builtin")
+    ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary)
+    ref: Mapped[str | None] = mapped_column(String(512))
+    key_id: Mapped[str | None] = mapped_column(String(64))
+    #: Host patterns (``api.example.com``, ``*.example.com``) whose requests get it injected.
+    hosts: Mapped[list[str]] = mapped_column(JSON, default=list)
+    header: Mapped[str] = mapped_column(String(128), default="Authorization")
+    #: How the header's value is made from the secret: ``{}`` is the value; ``basic`` means
+    #: ``Basic base64(value)`` for a ``user:password`` value.
+    format: Mapped[str] = mapped_column(String(256), default="Bearer {}")
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: Injections allowed per minute per node (None: unlimited).
+    rate_limit: Mapped[int | None] = mapped_column(Integer)
+    created_by: Mapped[str] = mapped_column(String(64), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class AuditRecord(Base):
