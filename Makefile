@@ -5,10 +5,11 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= /var/lib/space
 LISTEN ?= 127.0.0.1:8080
 PYTEST_ARGS ?=
+GW_VENV ?= .venv-gateway
 
-.PHONY: setup system python run test lint typecheck check bench clean-dev
+.PHONY: setup system python gateway run test lint typecheck check bench clean-dev
 
-setup: system python  ## install system packages and the Python environment (idempotent)
+setup: system python gateway  ## install system packages and the Python environments (idempotent)
 
 system:
 	@if [ "$$(id -u)" -ne 0 ]; then sudo bash scripts/setup-system.sh; else bash scripts/setup-system.sh; fi
@@ -21,6 +22,15 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+gateway: $(GW_VENV)/.installed  ## the egress gateway's own venv (mitmproxy pins clash with the main venv)
+
+$(GW_VENV)/.installed: gateway-requirements.txt pyproject.toml
+	test -x $(GW_VENV)/bin/python || python3 -m venv $(GW_VENV)
+	$(GW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GW_VENV)/bin/python -m pip install -q -r gateway-requirements.txt
+	$(GW_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)

@@ -30,7 +30,7 @@ PIN
 fi
 
 apt_install btrfs-progs debootstrap iproute2 util-linux python3-venv ca-certificates \
-  postgresql zstd procps gcc libc6-dev
+  postgresql zstd procps gcc libc6-dev nftables
 if ! command -v runsc >/dev/null 2>&1 || ! runsc --version 2>/dev/null | grep -q 2024; then
   if [ "$need_update" -eq 0 ]; then apt-get update -qq; need_update=1; fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t trixie runsc

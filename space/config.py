@@ -12,7 +12,8 @@ class ServeSettings:
     data_dir: Path
     #: ``HOST:PORT`` of the public API.
     listen: str = "127.0.0.1:8080"
-    #: SQLAlchemy URL; default ``sqlite+aiosqlite:///<data_dir>/space.db``.
+    #: SQLAlchemy URL; default ``sqlite+aiosqlite:///<data_dir>/control/space.db`` (a directory the
+    #: API's user owns: SQLite creates its -wal/-shm files next to the database).
     database_url: str | None = None
     #: Object store: a local directory (default ``<data_dir>/objects``) or an ``s3://`` URL.
     object_store_url: str | None = None
@@ -27,11 +28,19 @@ class ServeSettings:
     #: Warm sandboxes of ``base`` (1 cpu, 512 MiB) each node keeps, set once on first start; change
     #: it later with ``space pool set``.
     warm_pool: int = 2
+    #: Sandboxes isolated in their own network namespaces behind the node's egress gateway.
+    network: bool = True
     #: Operation lease: how long a crashed controller's claim blocks a retry.
     lease_seconds: float = 10.0
+    #: The tenant whose admin keys manage every tenant (keys, quotas, audit); the bootstrap admin
+    #: key is made in it.
+    operator_tenant: str = "default"
+    #: The user the API and the controller run as once the node agent (root) is started; ``root``
+    #: keeps them root (``space.privdrop``).
+    user: str = "space"
 
     def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve() / 'space.db'}"
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve() / 'control' / 'space.db'}"
 
     def resolved_object_store_url(self) -> str:
         return self.object_store_url or str(self.data_dir.resolve() / "objects")

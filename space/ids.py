@@ -45,3 +45,7 @@ def snapshot_id() -> str:
 
 def event_id() -> str:
     return "ev-" + _random(16)
+
+
+def secret_id() -> str:
+    return "sec-" + _random(16)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -20,11 +20,13 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from space import privdrop
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
 from space.config import ServeSettings
 from space.controller import Controller, NodeRegistry
+from space.credentials import CredentialManager, build_manager
 from space.errors import NotFound, SpaceError, Unavailable
 from space.node.client import NodeClient
 from space.node.main import channel_dir_for
@@ -50,12 +52,17 @@ def _secret_file(path: Path, nbytes: int = 32) -> str:
 
 
 class NodeProcess:
-    """The node agent child: started, watched, restarted if it dies, stopped with us."""
+    """The node agent, run by its root supervisor (:mod:`space.nodesup`), which restarts it when it
+    dies and stops it when we close its stdin or die: after the privilege drop this process can
+    neither start a root process nor signal one."""
 
-    def __init__(self, settings: ServeSettings, socket: Path, token_file: Path) -> None:
+    def __init__(self, settings: ServeSettings, socket: Path, token_file: Path,
+                 socket_group: int | None = None) -> None:
         self.settings = settings
         self.socket = socket
         self.token_file = token_file
+        self.socket_group = socket_group
+        #: The supervisor.
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -67,9 +74,25 @@ class NodeProcess:
             "--cache-dir", str(s.cache_dir), "--pool-size-gb", str(s.pool_size_gb),
             "--max-upload-bytes", str(s.max_upload_bytes), "--die-with-parent",
             "--object-store-url", s.resolved_object_store_url(),
+            # One egress CA per deployment: the all-in-one server's, in its data directory.
+            "--egress-ca-dir", str(s.data_dir / "egress-ca"),
+            "--network" if s.network else "--no-network",
         ]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-        log.info("node.spawned", pid=self.proc.pid)
+        if self.socket_group is not None:
+            argv += ["--socket-group", str(self.socket_group)]
+        # The argv goes on stdin, not the command line: only the node agent itself is "node run".
+        self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
+        self.proc.stdin.flush()
+        log.info("node.spawned", supervisor=self.proc.pid)
+
+    def ready(self) -> None:
+        """Tell the supervisor the node agent answered: it restarts it from now on."""
+        if self.alive() and self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.write(b"ready\n")
+                self.proc.stdin.flush()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -77,13 +100,18 @@ class NodeProcess:
     async def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()  # EOF: the supervisor stops the node agent (15 s grace), then exits
+        deadline = time.monotonic() + 20
         while self.proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.kill()
+                self.proc.wait()
+            except PermissionError:  # root's, and we are not: it follows us through PR_SET_PDEATHSIG
+                log.warning("node.supervisor_still_running", pid=self.proc.pid)
 
 
 async def wait_node_ready(client: NodeClient, node: NodeProcess, timeout: float = 300.0) -> dict[str, object]:
@@ -100,16 +128,17 @@ async def wait_node_ready(client: NodeClient, node: NodeProcess, timeout: float 
             await asyncio.sleep(0.05)
 
 
-async def ensure_admin_key(store: Store, data_dir: Path) -> None:
+async def ensure_admin_key(store: Store, data_dir: Path, tenant: str = "default") -> None:
     key_file = data_dir / "admin.key"
-    if key_file.exists():
+    # Empty: made by root for the unprivileged API to fill (it cannot create files in data_dir).
+    if key_file.exists() and key_file.stat().st_size > 0:
         return
     if await store.count_api_keys() > 0:
         log.warning("admin_key.file_missing", path=str(key_file),
                     hint="keys exist already; create a new admin key with an existing one")
         return
-    _row, key = await store.create_api_key("default", "admin", "bootstrap admin")
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    _row, key = await store.create_api_key(tenant, "admin", "bootstrap admin")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     log.info("admin_key.created", path=str(key_file))
@@ -119,10 +148,15 @@ async def heartbeat(client: NodeClient, node: NodeProcess, every: float = 5.0) -
     while True:
         await asyncio.sleep(every)
         if not node.alive():
-            log.error("node.died", returncode=node.proc.returncode if node.proc else None)
+            # The supervisor restarts a dead node agent; it is gone itself only if killed.
+            log.error("node.supervisor_died", returncode=node.proc.returncode if node.proc else None)
+            if os.geteuid() != 0:
+                raise Unavailable("the node agent's supervisor exited and this process cannot start "
+                                  "root processes any more: restart space serve")
             node.start()
             with contextlib.suppress(SpaceError):
                 await wait_node_ready(client, node, timeout=120)
+                node.ready()
             continue
         # Heartbeats proper (capacity, warm pools) are the controller's check_nodes.
 
@@ -157,31 +191,44 @@ async def serve(settings: ServeSettings) -> None:
     data = settings.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
     os.chmod(data, 0o700)
+    user = privdrop.resolve_user(settings.user)
+    privdrop.migrate_layout(settings)
     secret = _secret_file(data / "secret.key")
     token_file = data / "node.token"
     token = _secret_file(token_file)
     socket = channel_dir_for(data) / "node.sock"
+    if user is not None:
+        privdrop.own_serve_state(settings, user)
 
-    node = NodeProcess(settings, socket, token_file)
+    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None)
     node.start()
     client = NodeClient(NODE_ID, f"unix://{socket}", token)
     store: Store | None = None
     nodes: NodeRegistry | None = None
+    credentials: CredentialManager | None = None
     try:
+        if user is not None:
+            # The node agent runs (as root, under its supervisor); nothing from here on needs root.
+            privdrop.drop_privileges(user)
+            privdrop.check_access(user, settings)
         info = await wait_node_ready(client, node)
+        node.ready()
         log.info("node.ready", node=NODE_ID, templates=info.get("templates"))
         store = await Store.open(settings.resolved_database_url())
-        await ensure_admin_key(store, data)
+        await ensure_admin_key(store, data, settings.operator_tenant)
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
         nodes = NodeRegistry(store)
         objects = ObjectStore.from_url(settings.resolved_object_store_url())
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
                                 objects=objects)
         await controller.sync_templates()
+        credentials = build_manager(store, data)
+        controller.lifecycle.credentials = credentials
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
-                         max_upload_bytes=settings.max_upload_bytes)
+                         max_upload_bytes=settings.max_upload_bytes, credentials=credentials,
+                         operator_tenant=settings.operator_tenant)
         await bootstrap_templates(state, settings.bootstrap_templates)
-        await seed_warm_pool(state, data, settings.warm_pool)
+        await seed_warm_pool(state, privdrop.control_dir(settings), settings.warm_pool)
         await controller.push_warm_pools()
 
         host, _, port = settings.listen.rpartition(":")
@@ -196,8 +243,11 @@ async def serve(settings: ServeSettings) -> None:
             await server.serve()
             ctl.cancel()
             hb.cancel()
+            await state.audit.aclose()  # the last calls' audit records
     finally:
         await client.aclose()
+        if credentials is not None:
+            await credentials.aclose()
         if nodes is not None:
             await nodes.aclose()
         if store is not None:
@@ -207,5 +257,9 @@ async def serve(settings: ServeSettings) -> None:
 
 
 def run(settings: ServeSettings) -> None:
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(settings))
+    except privdrop.PrivilegeError as e:
+        log.error("serve.refused", error=e.message, **e.details)
+        raise SystemExit(2) from None

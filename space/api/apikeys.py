@@ -1,17 +1,18 @@
-"""/v1/apikeys (admin only)."""
+"""/v1/apikeys (admin keys): a tenant's admin manages its own tenant's keys; the operator (an admin
+key of the operator tenant) manages every tenant's."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from space.api import views
 from space.api.auth import ROLES, Principal, principal
 from space.api.state import AppState, app_state
-from space.errors import InvalidRequest
+from space.errors import InvalidRequest, NotFound
 
 router = APIRouter(prefix="/v1/apikeys")
 
@@ -27,7 +28,7 @@ class CreateKey(BaseModel):
 
 @router.post("", status_code=201)
 async def create_key(body: CreateKey, who: Auth, st: St) -> JSONResponse:
-    who.require_admin()
+    who.require_manage(body.tenant)
     if body.role not in ROLES:
         raise InvalidRequest(f"role must be one of {', '.join(ROLES)}")
     row, key = await st.store.create_api_key(body.tenant, body.role, body.name)
@@ -35,14 +36,27 @@ async def create_key(body: CreateKey, who: Auth, st: St) -> JSONResponse:
 
 
 @router.get("")
-async def list_keys(who: Auth, st: St) -> dict[str, Any]:
-    who.require_admin()
-    return {"apikeys": [views.apikey(k) for k in await st.store.list_api_keys()]}
+async def list_keys(
+    who: Auth, st: St, tenant: Annotated[str | None, Query(max_length=64)] = None
+) -> dict[str, Any]:
+    """The caller's tenant's keys; the operator's call lists every tenant's (or ``?tenant=``'s)."""
+    if tenant is None:
+        who.require_admin()
+        scope = None if who.is_operator else who.tenant
+    else:
+        who.require_manage(tenant)
+        scope = tenant
+    return {"apikeys": [views.apikey(k) for k in await st.store.list_api_keys(scope)]}
 
 
 @router.delete("/{key_id}", status_code=204)
 async def delete_key(key_id: str, who: Auth, st: St) -> Response:
     who.require_admin()
+    if not who.is_operator:
+        # Another tenant's key is not found, like any other tenant's resource.
+        own = {k.id for k in await st.store.list_api_keys(who.tenant, include_revoked=True)}
+        if key_id not in own:
+            raise NotFound(f"api key {key_id} not found")
     await st.store.revoke_api_key(key_id)
     st.keys.clear()
     return Response(status_code=204)

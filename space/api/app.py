@@ -8,16 +8,21 @@ from fastapi import FastAPI
 
 from space.api import (
     apikeys,
+    audit,
     commands,
+    egress,
     files,
     lifecycle,
     metrics,
     nodes,
     pools,
     sandboxes,
+    secrets,
     snapshots,
     templates,
+    tenants,
 )
+from space.api.auditing import AuditMiddleware
 from space.api.state import AppState
 from space.web import install_error_handlers
 
@@ -33,7 +38,11 @@ def create_app(state: AppState) -> FastAPI:
     app.state.space = state
     install_error_handlers(app)
     metrics.install(app)
-    for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools):
+    app.add_middleware(AuditMiddleware)
+    for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools,
+                   secrets):
+        app.include_router(module.router)
+    for module in (tenants, audit, egress):
         app.include_router(module.router)
 
     @app.get("/healthz")

@@ -20,6 +20,14 @@ class Principal:
     key_id: str
     tenant: str
     role: str
+    #: The key belongs to the operator tenant (``ServeSettings.operator_tenant``): its admin keys
+    #: manage every tenant (keys, quotas, egress defaults, audit), where a tenant's own admin keys
+    #: manage only their tenant.
+    operator_tenant: bool = False
+
+    @property
+    def is_operator(self) -> bool:
+        return self.operator_tenant and self.role == "admin"
 
     def require_write(self) -> None:
         if self.role == "readonly":
@@ -28,6 +36,27 @@ class Principal:
     def require_admin(self) -> None:
         if self.role != "admin":
             raise Forbidden("this action needs an admin API key")
+
+    def require_operator(self) -> None:
+        """Platform-wide actions: only an admin key of the operator tenant."""
+        if not self.is_operator:
+            raise Forbidden("this action needs an operator admin key (an admin key of the operator tenant)")
+
+    def can_manage(self, tenant: str) -> bool:
+        """Whether this key may administer ``tenant`` (its keys, quota, egress default, audit)."""
+        return self.role == "admin" and (self.operator_tenant or tenant == self.tenant)
+
+    def require_manage(self, tenant: str) -> None:
+        if self.role != "admin":
+            raise Forbidden("this action needs an admin API key")
+        if not self.can_manage(tenant):
+            raise Forbidden(f"an admin key of tenant {self.tenant!r} cannot manage tenant {tenant!r}",
+                            tenant=tenant)
+
+    def can_read_tenant(self, tenant: str) -> bool:
+        """Whether this key may read ``tenant``'s settings (quota, egress default): any key of the
+        tenant itself, or an operator admin."""
+        return tenant == self.tenant or self.is_operator
 
 
 class KeyCache:
@@ -69,13 +98,15 @@ async def principal(request: Request) -> Principal:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     state = request.app.state.space
     who: Principal | None = state.keys.get(key)
-    if who is not None:
-        return who
-    row = await state.store.authenticate(key)
-    if row is None:
-        raise Unauthorized("invalid API key")
-    who = Principal(key_id=row.id, tenant=row.tenant, role=row.role)
-    state.keys.put(key, who)
+    if who is None:
+        row = await state.store.authenticate(key)
+        if row is None:
+            raise Unauthorized("invalid API key")
+        who = Principal(key_id=row.id, tenant=row.tenant, role=row.role,
+                        operator_tenant=row.tenant == state.operator_tenant)
+        state.keys.put(key, who)
+    # For the audit middleware (space.api.auditing), which runs outside the dependency system.
+    request.state.principal = who
     return who
 
 

@@ -165,7 +165,10 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkBody | None = None,
                 cpu=src.cpu, memory_mb=src.memory_mb, env=src.env, meta=body.metadata or src.meta,
                 template_digest=src.template_digest, parent_id=sandbox_id, source_snapshot=snap_id,
                 idle_pause_s=src.idle_pause_s, idle_suspend_s=src.idle_suspend_s,
-                snapshot_policy=src.snapshot_policy)
+                snapshot_policy=src.snapshot_policy,
+                # A fork keeps its parent's egress policy and secret bindings (sandbox-scoped
+                # secrets stay the parent's own).
+                egress=dict(src.egress or {}), secrets=list(src.secrets or []), project=src.project)
         for _ in range(body.count)
     ]
     op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="sandbox.fork", target=sandbox_id,

@@ -19,11 +19,14 @@ from space.api import views
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
 from space.controller import placement
-from space.errors import InvalidRequest, InvalidState, PoolEmpty, SpaceError
+from space.controller.egress import egress_config
+from space.errors import InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
+from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State, allowed_actions, require
 from space.node.client import NodeClient
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
+from space.store.quotas import QuotaDemand
 from space.web import sse
 
 log = structlog.get_logger("space.api.sandboxes")
@@ -50,6 +53,12 @@ class CreateSandboxBody(BaseModel):
     lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
     #: Snapshot schedule and retention overrides (see docs/api.md).
     snapshot_policy: dict[str, Any] | None = None
+    #: Egress policy ``{"allow": [...], "deny": [...], "default": ...}`` (None: the tenant's default).
+    egress: dict[str, Any] | None = None
+    #: Secrets the gateway injects into its matching requests (names, resolved by scope).
+    secrets: list[str] = Field(default_factory=list, max_length=64)
+    #: The middle level of secret scopes.
+    project: str = Field("", max_length=128, pattern=r"^([a-zA-Z0-9][a-zA-Z0-9_.-]*)?$")
 
 
 @router.post("/sandboxes", status_code=202)
@@ -63,19 +72,35 @@ async def create_sandbox(
     if len(body.env) > MAX_ENV or len(body.metadata) > MAX_ENV:
         raise InvalidRequest(f"at most {MAX_ENV} env vars and metadata entries")
     policy = SnapshotPolicy.from_dict(body.snapshot_policy).to_dict() if body.snapshot_policy else {}
+    egress_policy = egress_rules.validate(body.egress)
+    bound = list(dict.fromkeys(body.secrets))
+    if bound:
+        if st.credentials is None:
+            raise Unavailable("secrets are not configured on this deployment (no master key)")
+        await st.credentials.check_bindable(who, who.tenant, body.project, None, bound)
     sid = ids.sandbox_id()
     sb = Sandbox(
         id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,
         cpu=body.cpu, memory_mb=body.memory_mb, env=body.env, meta=body.metadata,
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
+        egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
     )
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
         idempotency_key=idempotency_key, request=body.model_dump(),
     )
+    # Refused before a warm sandbox is claimed for it (the insert checks again, atomically). A
+    # retry of an accepted create goes the cold way, where the insert answers it.
+    try:
+        await st.quotas.precheck(st.store, who.tenant, QuotaDemand.of([sb]))
+        over_quota = False
+    except QuotaExceeded:
+        if idempotency_key is None:
+            raise
+        over_quota = True
     # A warm sandbox of the template proves the template is there and ready: try that first.
-    warm = await _create_warm(st, sb, op)
+    warm = None if over_quota else await _create_warm(st, sb, op)
     if warm is not None:
         return warm
     tmpl = await st.store.get_template(body.template)  # 404 for an unknown template
@@ -99,7 +124,9 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse
     claimed sandbox without a row, which reconcile removes after its grace period.
     """
     req = placement.Request(sb.template, sb.cpu, sb.memory_mb)
-    claim = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
+    claim = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env,
+             # Secrets are resolved for the id the sandbox gets, once it has it (below).
+             "egress": await egress_config(st.store, st.credentials, sb, with_secrets=False)}
     for node_row in placement.warm_candidates(placement.fresh(await st.nodes.ready_rows()), req):
         node = await st.nodes.client(node_row.id)
         t0 = time.perf_counter()
@@ -112,6 +139,13 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse
             continue
         await failpoints.hit("api.after_warm_claim")
         sb.id = op.target = str(info["id"])
+        if sb.secrets:
+            try:
+                await node.call("PUT", f"/v1/sandboxes/{sb.id}/egress",
+                                json_body=await egress_config(st.store, st.credentials, sb), timeout=10)
+            except BaseException:
+                await _release(node, sb.id)
+                raise
         sb.node_id, sb.instance_id = node_row.id, info.get("instance_id")
         sb.template_digest = info.get("template_digest")
         sb.state = State.RUNNING

@@ -6,8 +6,11 @@ import dataclasses
 
 from fastapi import Request
 
+from space.api.auditing import AuditWriter
 from space.api.auth import KeyCache
+from space.api.quota_cache import QuotaCache
 from space.controller import Controller, NodeRegistry
+from space.credentials import CredentialManager
 from space.store import Store
 
 
@@ -20,6 +23,17 @@ class AppState:
     secret: bytes
     max_upload_bytes: int = 1 << 30
     keys: KeyCache = dataclasses.field(default_factory=KeyCache)
+    #: Admin keys of this tenant manage every tenant (space.api.auth.Principal.is_operator).
+    operator_tenant: str = "default"
+    #: Tenants' limits, for refusing a create before a warm sandbox is claimed for it.
+    quotas: QuotaCache = dataclasses.field(default_factory=QuotaCache)
+    #: Secrets (space.credentials); None where no master key is configured (/v1/secrets answers 503).
+    credentials: CredentialManager | None = None
+    #: Where the audit middleware's records go (space.api.auditing); closed by the server on exit.
+    audit: AuditWriter = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.audit = AuditWriter(self.store)
 
 
 def app_state(request: Request) -> AppState:

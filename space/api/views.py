@@ -39,6 +39,9 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "parent_id": sb.parent_id,
         "source_snapshot": sb.source_snapshot,
         "snapshot_id": sb.snapshot_id,
+        "project": sb.project,
+        "egress": sb.egress or {},
+        "secrets": list(sb.secrets or []),
     }
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from space.cli import apikeys, files, pools, sandbox, snapshots, templates
+from space.cli import apikeys, audit, files, policy, pools, quotas, sandbox, secrets, snapshots, templates
 from space.cli import exec as exec_
 from space.cli.context import Settings, SpaceGroup
 
@@ -38,7 +38,11 @@ app.add_typer(templates.app, name="template")
 app.add_typer(templates.operations_app, name="operation")
 app.add_typer(apikeys.app, name="apikey")
 app.add_typer(pools.app, name="pool")
+app.add_typer(quotas.app, name="quota")
+app.add_typer(secrets.app, name="secret")
+app.add_typer(policy.app, name="policy")
 exec_.register(app)
+audit.register(app)
 
 # Server-side commands (serve, node) live in their own module; a client-only install may lack it.
 if importlib.util.find_spec("space.cli.server") is not None:

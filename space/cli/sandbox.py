@@ -43,6 +43,14 @@ def create(
     snapshot_policy: Annotated[str | None, typer.Option(
         "--snapshot-policy", metavar="JSON",
         help='Snapshot schedule and retention, e.g. \'{"disk_every": 60, "full_every": 900}\'.')] = None,
+    secret: Annotated[list[str] | None, typer.Option(
+        "--secret", help="A secret the gateway injects into its requests (repeatable).")] = None,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", help="Egress allowed to this host pattern or CIDR[:port] (repeatable).")] = None,
+    deny: Annotated[list[str] | None, typer.Option(
+        "--deny", help="Egress denied to this host pattern or CIDR[:port] (repeatable).")] = None,
+    project: Annotated[str | None, typer.Option("--project", help="Secret scope between tenant and sandbox.")]
+    = None,
     idempotency_key: Annotated[str | None, typer.Option("--idempotency-key", help="Retry-safe creation.")]
     = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for it to run.")] = 300,
@@ -50,10 +58,12 @@ def create(
     """Create a sandbox and print its id (only the id, on stdout)."""
     env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(metadata, "--metadata")
     policy = _parse_policy(snapshot_policy)
+    egress = {"allow": allow or [], "deny": deny or []} if allow or deny else None
     with client(ctx) as c:
         sandbox = c.sandboxes.create(
             template, cpu=cpu, memory_mb=memory, env=env_map, metadata=meta_map,
             idle_pause=idle_pause, idle_suspend=idle_suspend, lifetime=lifetime, snapshot_policy=policy,
+            egress=egress, secrets=secret or None, project=project,
             idempotency_key=idempotency_key, wait=False,
         )
         if not no_wait and sandbox.operation is not None:

@@ -33,6 +33,17 @@ def serve(
     = False,
     warm_pool: Annotated[int, typer.Option(
         "--warm-pool", min=0, help="Warm 'base' sandboxes to keep on first start (then: space pool set).")] = 2,
+    operator_tenant: Annotated[str, typer.Option(
+        "--operator-tenant", envvar="SPACE_OPERATOR_TENANT",
+        help="Tenant whose admin keys manage every tenant (the bootstrap admin key's).")] = "default",
+    network: Annotated[bool, typer.Option(
+        "--network/--no-network",
+        help="Sandboxes in their own network namespaces behind the egress gateway (off: loopback only).")]
+    = True,
+    user: Annotated[str, typer.Option(
+        "--user", envvar="SPACE_USER",
+        help="Run the API and controller as this user once the node agent (root) is started; "
+             "'root' keeps them root.")] = "space",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the whole platform (API, controller, one node) on embedded defaults."""
@@ -45,6 +56,7 @@ def serve(
         data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
         cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
+        operator_tenant=operator_tenant, network=network, user=user,
     ))
 
 
@@ -53,6 +65,8 @@ def node_run(
     data_dir: DataDir,
     token_file: Annotated[Path, typer.Option("--token-file", help="File holding the node API token.")],
     socket: Annotated[Path | None, typer.Option("--socket", help="Serve on this unix socket.")] = None,
+    socket_group: Annotated[int | None, typer.Option(
+        "--socket-group", help="GID that may connect to --socket (space serve's unprivileged API).")] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="Serve on HOST:PORT instead.")] = None,
     node_id: Annotated[str, typer.Option("--node-id")] = "node-1",
     cache_dir: CacheDir = Path("/var/cache/space"),
@@ -66,6 +80,13 @@ def node_run(
         "--register", help="Control plane URL to register this node with (needs --listen).")] = None,
     api_key_file: Annotated[Path | None, typer.Option(
         "--api-key-file", help="File holding an admin API key, for --register.")] = None,
+    network: Annotated[bool, typer.Option(
+        "--network/--no-network",
+        help="Isolate each sandbox in its own network namespace behind the node's egress gateway "
+             "(off: loopback only).")] = True,
+    egress_ca_dir: Annotated[Path | None, typer.Option(
+        "--egress-ca-dir", envvar="SPACE_EGRESS_CA_DIR",
+        help="The deployment's egress CA (the same on every node); default <data-dir>/egress-ca.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a node agent."""
@@ -82,6 +103,7 @@ def node_run(
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
         die_with_parent=die_with_parent, object_store_url=object_store_url,
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
+        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group,
     ))
 
 

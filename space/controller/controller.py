@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ from space.lifecycle import State
 from space.node.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Store
+from space.store.models import AuditRecord
 
 log = structlog.get_logger("space.controller")
 
@@ -256,7 +258,8 @@ class Controller:
             sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         else:
             node = await self.nodes.client(sb.node_id)
-        body = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env}
+        body = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env,
+                "egress": await self.lifecycle.egress(sb)}
         try:
             info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
         except Unavailable:
@@ -374,7 +377,32 @@ class Controller:
             if row.state != "ready":
                 log.info("node.up", node=row.id)
             await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+            try:
+                await self._sync_egress(row.id, node, info)
+            except SpaceError as exc:  # the next heartbeat tries again
+                log.warning("egress.sync_failed", node=row.id, error=str(exc))
         self.nodes.invalidate_rows()
+
+    async def _sync_egress(self, node_id: str, node: NodeClient, info: dict[str, Any]) -> None:
+        """Give the node's gateway back the secrets its agent lost in a restart, and move the
+        gateway's audit journal into the audit log (acknowledged only once stored)."""
+        for sid in info.get("egress_missing") or []:
+            try:
+                sb = await self.store.get_sandbox(sid)
+            except NotFound:
+                continue
+            if sb.node_id == node_id and sb.state in (State.RUNNING, State.PAUSED):
+                await node.call("PUT", f"/v1/sandboxes/{sid}/egress", json_body=await self.lifecycle.egress(sb),
+                                timeout=10)
+        while info.get("network"):
+            batch = await node.call("GET", "/v1/egress/audit", params={"after": 0, "limit": 1000}, timeout=10)
+            records = batch.get("records") or []
+            if not records:
+                return
+            await self.store.record_audit([_gateway_record(node_id, r) for r in records])
+            await node.call("POST", "/v1/egress/audit/ack", json_body={"upto": records[-1]["seq"]}, timeout=10)
+            if len(records) < 1000:
+                return
 
     async def warm_targets(self) -> list[dict[str, Any]]:
         return [{"template": p.template, "cpu": p.cpu, "memory_mb": p.memory_mb, "size": p.size}
@@ -491,3 +519,14 @@ def _pool_sizes(pools: list[dict[str, Any]]) -> set[tuple[str, float, int, int]]
 
 
 __all__ = ["Controller"]
+
+
+def _gateway_record(node_id: str, rec: dict[str, Any]) -> AuditRecord:
+    at = rec.get("at")
+    when = dt.datetime.fromisoformat(at) if isinstance(at, str) else (
+        dt.datetime.fromtimestamp(float(at), dt.UTC) if at is not None else None)
+    details = dict(rec.get("details") or {})
+    details.update(sandbox=rec.get("sandbox"), seq=rec.get("seq"), node=node_id)
+    return AuditRecord(tenant=str(rec.get("tenant") or ""), actor=f"gateway:{node_id}",
+                       action=str(rec.get("action", "egress")), target=str(rec.get("target") or ""),
+                       result=str(rec.get("result", "")), details=details, at=when)

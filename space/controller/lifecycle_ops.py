@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from space.controller.egress import egress_config
 from space.controller.nodes import NodeRegistry
 from space.errors import Conflict, InvalidState, NotFound, SnapshotCorrupt, SpaceError
 from space.lifecycle import State
 from space.node.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Sandbox, Snapshot, Store
+
+if TYPE_CHECKING:
+    from space.credentials.manager import CredentialManager
 
 log = structlog.get_logger("space.controller.lifecycle")
 
@@ -43,9 +47,14 @@ class LifecycleOps:
         self.store = store
         self.nodes = nodes
         self.objects = objects
+        #: Resolves the secrets a sandbox's gateway entry carries (None: no secrets configured).
+        self.credentials: CredentialManager | None = None
         self._background: set[asyncio.Task[None]] = set()
         #: Node copies of just-suspended sandboxes being removed; a restore waits for its own.
         self._evictions: dict[str, asyncio.Task[None]] = {}
+
+    async def egress(self, sb: Sandbox) -> dict[str, Any]:
+        return await egress_config(self.store, self.credentials, sb)
 
     def handlers(self) -> dict[str, Any]:
         return {
@@ -242,7 +251,8 @@ class LifecycleOps:
         # Placement is recorded first, so that a retry goes to the same node.
         sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",
-                               json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id},
+                               json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
+                                          "egress": await self.egress(sb)},
                                timeout=LONG)
         await self.store.update_snapshot(snap.id, node_id=node.node_id)
         sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
@@ -286,7 +296,8 @@ class LifecycleOps:
         result: dict[str, Any] = await node.call(
             "POST", f"/v1/sandboxes/{sb.id}/rollback",
             json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id,
-                       "prefix": snap.object_key if remote else None}, timeout=LONG)
+                       "prefix": snap.object_key if remote else None,
+                       "egress": await self.egress(sb) if remote else None}, timeout=LONG)
         if remote:
             await self.store.update_snapshot(snap.id, node_id=sb.node_id)  # now on this node too
         return result
@@ -358,12 +369,14 @@ class LifecycleOps:
             node = await self.nodes.client(snap.node_id)
             await self.store.update_sandbox(fid, node_id=node.node_id)
             info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
-                                   json_body={"source": snap.sandbox_id, "snapshot": snap.id}, timeout=LONG)
+                                   json_body={"source": snap.sandbox_id, "snapshot": snap.id,
+                                              "egress": await self.egress(f)}, timeout=LONG)
         elif snap.object_key is not None:
             node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
             await self.store.update_sandbox(fid, node_id=node.node_id)
             info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
-                                   json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id},
+                                   json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
+                                              "egress": await self.egress(f)},
                                    timeout=LONG)
         else:
             raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",

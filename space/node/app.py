@@ -24,6 +24,7 @@ from space import ids, paths
 from space.errors import InvalidRequest, NotFound, PayloadTooLarge, RuntimeFailure, SpaceError, Unauthorized
 from space.guest.protocol import MAX_PAYLOAD
 from space.node import snapshots, template_save
+from space.node.egress import Egress
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import PoolKey, WarmPool, node_memory_mb
@@ -32,11 +33,25 @@ from space.web import guest_event_to_sse, install_error_handlers, sse
 log = structlog.get_logger("space.node.api")
 
 
+class EgressConfig(BaseModel):
+    """What the gateway lets a sandbox do: its tenant, egress policy and resolved secrets
+    (``secrets`` None: keep the ones the node holds)."""
+
+    tenant: str
+    policy: dict[str, Any] = Field(default_factory=dict)
+    secrets: list[dict[str, Any]] | None = None
+
+
 class CreateSandbox(BaseModel):
     template: str
     cpu: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(512, ge=64, le=262144)
     env: dict[str, str] = Field(default_factory=dict)
+    egress: EgressConfig | None = None
+
+
+class AuditAck(BaseModel):
+    upto: int = Field(..., ge=0)
 
 
 class PoolTarget(BaseModel):
@@ -55,6 +70,7 @@ class ClaimRequest(BaseModel):
     cpu: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(512, ge=64, le=262144)
     env: dict[str, str] = Field(default_factory=dict)
+    egress: EgressConfig | None = None
 
 
 class ExecRequest(BaseModel):
@@ -101,6 +117,7 @@ class RollbackRequest(BaseModel):
     token: str | None = None
     #: Where the snapshot is in object storage, when it is not on this node.
     prefix: str | None = Field(None, max_length=512)
+    egress: EgressConfig | None = None
 
 
 class UploadRequest(BaseModel):
@@ -114,12 +131,14 @@ class RebootRequest(BaseModel):
 class ForkRequest(BaseModel):
     source: str
     snapshot: str
+    egress: EgressConfig | None = None
 
 
 class ShipRequest(BaseModel):
     snapshot: str
     prefix: str = Field(..., min_length=1, max_length=512)
     token: str | None = None
+    egress: EgressConfig | None = None
 
 
 class EnsureTemplate(BaseModel):
@@ -191,7 +210,34 @@ def create_node_app(
             "committed_memory_mb": sum(sb.memory_mb for sb in owned),
             "loadavg": os.getloadavg()[0],
             "warm": warm.status() if warm is not None else [],
+            "network": manager.egress is not None,
+            # Sandboxes whose secrets this agent lost in a restart: the control plane pushes them.
+            "egress_missing": (manager.egress.missing_secrets([sb.id for sb in owned])
+                               if manager.egress is not None else []),
         }
+
+    async def _egress(sandbox_id: str, cfg: EgressConfig | None) -> None:
+        if cfg is not None:
+            await manager.set_egress(sandbox_id, tenant=cfg.tenant, policy=cfg.policy, secrets=cfg.secrets)
+
+    @r.put("/sandboxes/{sandbox_id}/egress")
+    async def set_egress(sandbox_id: str, body: EgressConfig) -> dict[str, Any]:
+        manager.get(sandbox_id)
+        await _egress(sandbox_id, body)
+        return {"ok": True}
+
+    def _gateway() -> Egress:
+        if manager.egress is None:
+            raise NotFound("this node runs sandboxes without network")
+        return manager.egress
+
+    @r.get("/egress/audit")
+    async def egress_audit(after: int = 0, limit: int = 1000) -> dict[str, Any]:
+        return await _gateway().gateway.client.call("audit", after=after, limit=min(limit, 5000))
+
+    @r.post("/egress/audit/ack")
+    async def egress_audit_ack(body: AuditAck) -> dict[str, Any]:
+        return await _gateway().gateway.client.call("ack", upto=body.upto)
 
     # -- warm pool -------------------------------------------------------------------------
 
@@ -211,6 +257,7 @@ def create_node_app(
     @r.post("/pool/claim")
     async def claim(body: ClaimRequest, after: BackgroundTasks) -> dict[str, Any]:
         sb = _warm().claim(PoolKey(body.template, body.cpu, body.memory_mb), body.env)
+        await _egress(sb.id, body.egress)
         # The claimed one was the pool's thawed head: it only needs its full CPU weight. The next
         # head is thawed once the answer is on its way (a waking sentry burns ~20 ms of CPU).
         after.add_task(manager.activate, sb.id)
@@ -269,9 +316,11 @@ def create_node_app(
 
     @r.put("/sandboxes/{sandbox_id}")
     async def create_sandbox(sandbox_id: str, body: CreateSandbox) -> dict[str, Any]:
+        await _egress(sandbox_id, body.egress)
         sb = await manager.create(
             sandbox_id, template=body.template, cpu=body.cpu, memory_mb=body.memory_mb, env=body.env
         )
+        await _egress(sandbox_id, body.egress)  # again: a retry may have replaced a failed attempt
         return sandbox_view(sb)
 
     @r.get("/sandboxes/{sandbox_id}")
@@ -315,9 +364,11 @@ def create_node_app(
     @r.post("/sandboxes/{sandbox_id}/rollback")
     async def rollback(sandbox_id: str, body: RollbackRequest) -> dict[str, Any]:
         owner = body.source or sandbox_id
+        await _egress(sandbox_id, body.egress)
         if body.prefix and snapshots.read(manager.pool, owner, body.snapshot) is None:
             await manager.fetch_snapshot(owner, body.snapshot, body.prefix)
         sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source)
+        await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 
     @r.post("/sandboxes/{sandbox_id}/snapshots/{snap_id}/upload")
@@ -330,7 +381,10 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/fork")
     async def fork(sandbox_id: str, body: ForkRequest) -> dict[str, Any]:
-        return sandbox_view(await manager.fork(sandbox_id, body.source, body.snapshot))
+        await _egress(sandbox_id, body.egress)
+        sb = await manager.fork(sandbox_id, body.source, body.snapshot)
+        await _egress(sandbox_id, body.egress)
+        return sandbox_view(sb)
 
     @r.post("/sandboxes/{sandbox_id}/suspend")
     async def suspend(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
@@ -338,7 +392,10 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/restore")
     async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
-        return sandbox_view(await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token))
+        await _egress(sandbox_id, body.egress)
+        sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token)
+        await _egress(sandbox_id, body.egress)
+        return sandbox_view(sb)
 
     @r.get("/sandboxes/{sandbox_id}/activity")
     async def activity(sandbox_id: str) -> dict[str, Any]:

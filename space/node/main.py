@@ -18,6 +18,9 @@ import uvicorn
 
 from space import guest as guest_pkg
 from space.node.app import create_node_app
+from space.node.egress import Egress
+from space.node.gateway import GatewayProcess
+from space.node.network import Network
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
@@ -59,6 +62,21 @@ class NodeSettings:
     warm_concurrency: int = 1
     sse_keepalive: float = dataclasses.field(
         default_factory=lambda: float(os.environ.get("SPACE_SSE_KEEPALIVE", "15")))
+    #: Each sandbox in its own network namespace whose only way out is the node's egress gateway.
+    #: Off: sandboxes have loopback only (no gateway process).
+    network: bool = True
+    #: The deployment's egress CA (mitmproxy confdir layout); made on first use when missing.
+    #: Every node of a deployment must be given the same one. Default ``<data_dir>/egress-ca``.
+    egress_ca_dir: Path | None = None
+    #: A group that may connect to ``socket`` (its directory becomes 0710 root:group instead of
+    #: 0700): the unprivileged API of ``space serve``. The other sockets there stay root's, 0600.
+    socket_group: int | None = None
+    #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.
+    gateway_hosts_file: Path | None = dataclasses.field(
+        default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_HOSTS_FILE")) else None)
+    #: TEST ONLY: CA certificates (PEM) the gateway trusts for upstream servers, besides the system's.
+    gateway_upstream_ca: Path | None = dataclasses.field(
+        default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_UPSTREAM_CA")) else None)
 
 
 def channel_dir_for(data_dir: Path) -> Path:
@@ -103,14 +121,34 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
     driver = GVisorDriver(settings.data_dir / "runsc")
+    egress = await start_egress(settings) if settings.network else None
     manager = SandboxManager(
         pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir),
-        objects=objects,
+        objects=objects, egress=egress,
     )
     await manager.recover()
     warm = WarmPool(manager, settings.data_dir / "warm-pool.json", concurrency=settings.warm_concurrency)
     await warm.adopt()
     return pool, templates, manager, warm
+
+
+def make_egress(settings: NodeSettings) -> Egress:
+    network = Network(settings.data_dir)
+    gateway = GatewayProcess(
+        settings.data_dir / "gateway", channel_dir_for(settings.data_dir) / "gateway.sock",
+        address="0.0.0.0", proxy_port=network.ports.proxy, transparent_port=network.ports.transparent,
+        dns_port=network.ports.dns, ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
+        hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca,
+    )
+    return Egress(network, gateway)
+
+
+async def start_egress(settings: NodeSettings) -> Egress:
+    egress = make_egress(settings)
+    await egress.network.setup()
+    egress.gateway.address = egress.network.gateway_ip
+    await egress.gateway.ensure()
+    return egress
 
 
 async def serve_node(settings: NodeSettings) -> None:
@@ -127,9 +165,13 @@ async def serve_node(settings: NodeSettings) -> None:
         warm=warm,
     )
     if settings.socket is not None:
-        # uvicorn makes the socket world-writable: the 0700 directory is what guards it.
+        # uvicorn makes the socket world-writable: the 0700 (0710 with a group) directory guards it.
         settings.socket.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(settings.socket.parent, 0o700)
+        if settings.socket_group is None:
+            os.chmod(settings.socket.parent, 0o700)
+        else:
+            os.chown(settings.socket.parent, 0, settings.socket_group)
+            os.chmod(settings.socket.parent, 0o710)
         with contextlib.suppress(FileNotFoundError):
             settings.socket.unlink()
         config = uvicorn.Config(app, uds=str(settings.socket), log_level="warning", access_log=False,
@@ -142,6 +184,7 @@ async def serve_node(settings: NodeSettings) -> None:
     server = uvicorn.Server(config)
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
     monitor = asyncio.create_task(manager.monitor())
+    gateway_watch = asyncio.create_task(manager.watch_gateway())
     refill = asyncio.create_task(warm.run())
     serving = asyncio.create_task(server.serve())
     try:
@@ -153,7 +196,8 @@ async def serve_node(settings: NodeSettings) -> None:
     finally:
         monitor.cancel()
         refill.cancel()
-        await asyncio.gather(monitor, refill, return_exceptions=True)
+        gateway_watch.cancel()
+        await asyncio.gather(monitor, refill, gateway_watch, return_exceptions=True)
         await warm.close()
         await manager.close()
         if settings.socket is not None:
@@ -188,6 +232,9 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
+    egress = make_egress(NodeSettings(data_dir=data_dir, socket=None, listen=None, token=""))
+    await egress.gateway.stop()
+    await egress.network.teardown()
     await pool.teardown()
     # The short-path directory of this node's sockets (node API, shims) goes with it.
     shutil.rmtree(channel_dir_for(data_dir), ignore_errors=True)

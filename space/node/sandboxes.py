@@ -24,7 +24,9 @@ from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
 from space.node import shipping, snapshots, startup
 from space.node.artifacts import read_manifest
+from space.node.egress import Egress
 from space.node.guest_client import GuestConnection
+from space.node.network import SandboxNet
 from space.node.pool import Pool
 from space.node.templates import TemplateStore
 from space.objstore import ObjectStore
@@ -83,8 +85,11 @@ class SandboxManager:
         channel_dir: Path,
         guest_timeout: float = 15.0,
         objects: ObjectStore | None = None,
+        egress: Egress | None = None,
     ) -> None:
         self.pool = pool
+        #: Network isolation and the egress gateway; None runs sandboxes with loopback only.
+        self.egress = egress
         self.templates = templates
         self.driver = driver
         self.guest_dir = guest_dir
@@ -203,6 +208,11 @@ class SandboxManager:
             for trash in d.glob("trash-*"):  # a rollback's old root, whose removal was cut short
                 await self.pool.delete_subvolume(trash)
             log.info("sandbox.recovered", sandbox=sb.id, status=sb.status, instance=sb.instance_id)
+        if self.egress is not None:
+            nets = [n for n in (self.egress.network.adopt(self._dir(sid)) for sid in self._sandboxes) if n]
+            await self.egress.network.readmit(nets)
+            await self.egress.network.sweep({n.netns for n in nets})
+            await self.reapply_egress()
         for inst in instances:
             if inst not in known:
                 log.warning("instance.orphan_removed", instance=inst)
@@ -288,6 +298,10 @@ class SandboxManager:
         failure the sandbox is left ``dead`` (a retry boots again)."""
         t1 = time.perf_counter()
         assert sb.instance_id
+        net = None
+        if self.egress is not None:
+            net = await self.egress.network.attach(self._dir(sb.id))
+            await self.egress.network.prepare(net)
         spec = InstanceSpec(
             sandbox_id=sb.id,
             instance_id=sb.instance_id,
@@ -299,6 +313,7 @@ class SandboxManager:
             memory_mb=sb.memory_mb,
             hostname=sb.id[:12],
             cpu_shares=WARM_CPU_SHARES if sb.warm else None,
+            netns=net.netns_path if net is not None else None,
         )
         try:
             if image is None:
@@ -311,7 +326,11 @@ class SandboxManager:
             self._guests[sb.id] = conn
             t_guest = time.perf_counter()
             if image is None:  # from memory, the start command is already running
+                if self.egress is not None:
+                    await startup.network_setup(conn, self.egress.network.gateway_ip, self.egress.ca_cert())
                 await startup.start_and_wait(conn, await self.template_spec(sb))
+            if self.egress is not None and not sb.warm:
+                await self.egress.apply(sb.id, self._dir(sb.id), net)
         except BaseException:
             sb.status = "dead"
             sb.death = "boot_failed"
@@ -354,12 +373,14 @@ class SandboxManager:
         if not defer or not d.exists():
             if sb.instance_id:
                 await self.driver.stop(sb.instance_id, self._workdir(sb))
+            await self._release_network(sb.id)
             await self.pool.delete_subvolume(d)
             log.info("sandbox.destroyed", sandbox=sb.id)
             return
         old = sb.instance_id
         if old:
             await self.driver.kill(old)
+        await self._release_network(sb.id)
         trash = self.pool.root / TRASH / f"{sb.id}-{ids.token(4)}"
         trash.parent.mkdir(exist_ok=True)
         await asyncio.to_thread(os.rename, d, trash)
@@ -534,6 +555,10 @@ class SandboxManager:
                 else:
                     assert sb.instance_id
                     was_running = sb.status == "running"
+                    if self.egress is not None:
+                        # gVisor cannot save an established TCP connection (nor one in TIME_WAIT):
+                        # every TCP peer of a sandbox is the gateway, which resets them first.
+                        await self.egress.reset(sandbox_id, self.net(sandbox_id))
                     if was_running:
                         await self.driver.pause(sb.instance_id)
                     f0 = time.perf_counter()
@@ -720,7 +745,59 @@ class SandboxManager:
         sb = self._sandboxes.pop(sandbox_id, None)
         if sb is not None and sb.instance_id:
             await self.driver.stop(sb.instance_id, self._workdir(sb))
+        await self._release_network(sandbox_id)
         await self.pool.delete_subvolume(self._dir(sandbox_id))
+
+    async def _release_network(self, sandbox_id: str) -> None:
+        """The gateway forgets the sandbox and its namespace goes (its instance is already dead)."""
+        if self.egress is None:
+            return
+        d = self._dir(sandbox_id)
+        await self.egress.forget(sandbox_id, self.egress.network.load(d))
+        await self.egress.network.detach(d)
+
+    async def reapply_egress(self) -> None:
+        """Tell a (re)started gateway about every sandbox it serves (secrets this agent still
+        holds; the control plane re-pushes those it lost)."""
+        if self.egress is None:
+            return
+        for sid, sb in list(self._sandboxes.items()):
+            if not sb.warm and sb.status in ("running", "paused"):
+                try:
+                    await self.egress.apply(sid, self._dir(sid), self.egress.network.load(self._dir(sid)))
+                except SpaceError as exc:
+                    log.warning("sandbox.egress_reapply_failed", sandbox=sid, error=str(exc))
+
+    async def watch_gateway(self, every: float = 2.0) -> None:
+        """Restart the egress gateway should it die, and give it back what it knew."""
+        if self.egress is None:
+            return
+        while True:
+            await asyncio.sleep(every)
+            if self.egress.gateway.alive():
+                continue
+            log.warning("gateway.died")
+            try:
+                await self.egress.gateway.ensure()
+                await self.reapply_egress()
+            except SpaceError as exc:
+                log.error("gateway.restart_failed", error=str(exc))
+
+    def net(self, sandbox_id: str) -> SandboxNet | None:
+        return self.egress.network.load(self._dir(sandbox_id)) if self.egress is not None else None
+
+    async def set_egress(self, sandbox_id: str, *, tenant: str, policy: dict[str, Any] | None,
+                         secrets: builtins.list[dict[str, Any]] | None) -> None:
+        """Record and apply a sandbox's egress policy and secrets (a running one's next connection
+        obeys it). ``secrets`` None keeps the ones it has."""
+        if self.egress is None:
+            return
+        d = self._dir(sandbox_id)
+        d.mkdir(parents=True, exist_ok=True)
+        self.egress.configure(sandbox_id, d, tenant=tenant, policy=policy, secrets=secrets)
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None and sb.status in ("running", "paused", "starting"):
+            await self.egress.apply(sandbox_id, d, self.egress.network.load(d))
 
     async def _stop_instance(self, sb: LocalSandbox, *, defer_to: Path | None = None) -> None:
         """Stop the sandbox's instance. With ``defer_to``: kill it, move its root there, and leave

@@ -26,6 +26,8 @@ class InstanceSpec:
     #: Relative CPU weight under contention (cgroup ``cpu.shares``; None: the default 1024). Warm
     #: pool sandboxes boot and wait with a low weight so they never slow down claimed ones.
     cpu_shares: int | None = None
+    #: Network namespace to run in (its ``eth0`` becomes the guest's only link); None: loopback only.
+    netns: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,10 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
              "options": ["rbind", "ro"]},
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "namespaces": [
+                {"type": t} if t != "network" or spec.netns is None else {"type": t, "path": str(spec.netns)}
+                for t in ("pid", "network", "ipc", "uts", "mount")
+            ],
             "resources": resources,
             "cgroupsPath": f"/space/{spec.instance_id}",
         },

@@ -22,20 +22,20 @@ import contextlib
 import datetime as dt
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Self, TypeVar, cast
 
 import structlog
-from sqlalchemy import ColumnElement, CursorResult, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, Connection, CursorResult, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from space import ids
 from space.errors import Conflict, Internal, InvalidRequest, InvalidState, NotFound, Unavailable
 from space.lifecycle import State, allowed_actions, transition
-from space.store import db
+from space.store import db, quotas
 from space.store.models import (
     API_KEY_ROLES,
     NODE_STATES,
@@ -52,8 +52,10 @@ from space.store.models import (
     OperationLog,
     Sandbox,
     SandboxEvent,
+    Secret,
     Snapshot,
     Template,
+    TenantQuota,
     WarmPool,
     utcnow,
 )
@@ -67,7 +69,7 @@ _T = TypeVar("_T")
 SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
-     "snapshot_policy", "last_active_at", "parent_id", "source_snapshot", "snapshot_id"}
+     "snapshot_policy", "last_active_at", "parent_id", "source_snapshot", "snapshot_id", "egress", "secrets"}
 )
 
 #: Snapshot columns ``update_snapshot`` may change (identity, owner and origin are fixed).
@@ -78,6 +80,10 @@ SNAPSHOT_FIELDS = frozenset(
 
 #: Operation statuses in which an operation may still use what its request names.
 OPERATION_ACTIVE = ("pending", "running")
+
+#: Secret columns a replace (``put_secret`` on an existing name) takes from the new row.
+_SECRET_COPY = ("backend", "ciphertext", "ref", "key_id", "hosts", "header", "format", "expires_at",
+                "rate_limit")
 
 API_KEY_PREFIX = "sk_"
 
@@ -360,6 +366,7 @@ class Store:
             assert self._write_lock is not None
             async with self._write_lock:
                 with _translate_errors(), self._fast_sessions() as fs, fs.begin():
+                    self._enforce_quota_sync(fs, sandbox.tenant, quotas.QuotaDemand.of([sandbox]))
                     fs.add_all([sandbox, op])
             return sandbox, op, True
 
@@ -371,7 +378,10 @@ class Store:
                 )
             return sb, prior, False
 
-        return await self._create_with_op(op, [sandbox], replay, (sandbox, op, True), now)
+        async def check(s: AsyncSession) -> None:
+            await self._enforce_quota(s, sandbox.tenant, quotas.QuotaDemand.of([sandbox]))
+
+        return await self._create_with_op(op, [sandbox], replay, (sandbox, op, True), now, check)
 
     async def create_sandboxes(
         self, sandboxes: list[Sandbox], op: Operation, snapshot: Snapshot | None = None
@@ -414,7 +424,13 @@ class Store:
                 raise Conflict(f"operation {prior.id} names sandboxes that do not exist: {missing}")
             return [found[sid] for sid in wanted], prior, False
 
-        return await self._create_with_op(op, rows, replay, (list(sandboxes), op, True), now)
+        demand = quotas.QuotaDemand.of(
+            sandboxes, storage=snapshot is not None and snapshot.origin in quotas.STORAGE_CHECKED_ORIGINS)
+
+        async def check(s: AsyncSession) -> None:
+            await self._enforce_quota(s, op.tenant, demand)
+
+        return await self._create_with_op(op, rows, replay, (list(sandboxes), op, True), now, check)
 
     async def get_sandbox(self, sandbox_id: str, tenant: str | None = None) -> Sandbox:
         """A sandbox; another tenant's is NotFound, exactly like a missing one."""
@@ -673,6 +689,107 @@ class Store:
         async with self._tx(write=False) as s:
             return list(await s.scalars(q))
 
+    # ---- quotas ---------------------------------------------------------------------------------
+    # Limits per tenant (``tenant_quotas``; no row or a NULL column is unlimited) and their usage;
+    # what counts and when is documented in space/store/quotas.py. Enforcement is inside the write
+    # transactions that insert sandboxes and snapshots (create_sandbox, create_sandboxes,
+    # start_operation); check_quota is only an early, non-atomic test.
+
+    async def get_quota(self, tenant: str) -> TenantQuota | None:
+        async with self._tx(write=False) as s:
+            return await s.get(TenantQuota, tenant)
+
+    async def put_quota(self, tenant: str, limits: Mapping[str, int | float | None]) -> TenantQuota:
+        """Set the limits named in ``limits`` (None: unlimited); the others stay as they are."""
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        bad = sorted(set(limits) - set(quotas.RESOURCES))
+        if bad:
+            raise InvalidRequest(f"unknown quota resource(s) {', '.join(bad)}")
+        values: dict[str, Any] = {}
+        for name, value in limits.items():
+            if value is not None and (value < 0 or (name != "cpu" and int(value) != value)):
+                raise InvalidRequest(f"quota {name} must be a non-negative {'number' if name == 'cpu' else 'integer'}"
+                                     " or null (unlimited)", field=name)
+            values[name] = None if value is None else (float(value) if name == "cpu" else int(value))
+        return await self._upsert_quota(tenant, values)
+
+    async def set_tenant_egress(self, tenant: str, egress: dict[str, Any]) -> TenantQuota:
+        """Store the tenant's default egress policy (validated by the caller); limits stay."""
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        return await self._upsert_quota(tenant, {"egress": dict(egress)})
+
+    async def _upsert_quota(self, tenant: str, values: dict[str, Any]) -> TenantQuota:
+        now = utcnow()
+        stmt = self._insert(TenantQuota).values({"tenant": tenant, "egress": {}, "updated_at": now, **values})
+        stmt = stmt.on_conflict_do_update(index_elements=[TenantQuota.tenant], set_={**values, "updated_at": now})
+        async with self._tx() as s:
+            await s.execute(stmt)
+            return await self._get(s, TenantQuota, tenant, "quota")
+
+    async def quota_usage(self, tenant: str) -> quotas.QuotaUsage:
+        async with self._tx(write=False) as s:
+            counted = (await s.execute(quotas.SANDBOX_USAGE, {"tenant": tenant})).one_or_none()
+            stored = await s.scalar(quotas.STORAGE_USAGE, {"tenant": tenant})
+        return quotas.usage_from(counted, stored)
+
+    async def check_quota(self, tenant: str, demand: quotas.QuotaDemand) -> None:
+        """QuotaExceeded if ``demand`` would pass a limit now (not atomic with any write: the
+        write checks again; this is for refusing early, e.g. before claiming a warm sandbox)."""
+        if self._fast is not None:
+            # SQLite: a read never waits in WAL mode, so the synchronous driver SQL (~0.1 ms) is
+            # cheaper than the trips to aiosqlite's thread (~1.5 ms) on the create path.
+            with _translate_errors(), self._fast.connect() as conn, conn.begin():
+                self._check_sqlite(conn, tenant, demand)
+            return
+        args = {"tenant": tenant}
+        async with self._tx(write=False) as s:
+            limits = quotas.Limits.of((await s.execute(quotas.LIMITS, args)).one_or_none())
+            if limits is None or not quotas.relevant(limits, demand):
+                return
+            counted = (await s.execute(quotas.SANDBOX_USAGE, args)).one_or_none() if demand.sandboxes else None
+            stored = await s.scalar(quotas.STORAGE_USAGE, args) if demand.storage else 0
+        quotas.enforce(tenant, limits, quotas.usage_from(counted, stored), demand)
+
+    async def _enforce_quota(self, s: AsyncSession, tenant: str, demand: quotas.QuotaDemand) -> None:
+        """Inside a write transaction: lock the tenant's limits (PostgreSQL) and check ``demand``."""
+        if demand.empty:
+            return
+        args = {"tenant": tenant}
+        limits = quotas.Limits.of((await s.execute(quotas.LIMITS_LOCKED, args)).one_or_none())
+        if limits is None or not quotas.relevant(limits, demand):
+            return
+        counted = (await s.execute(quotas.SANDBOX_USAGE, args)).one_or_none() if demand.sandboxes else None
+        stored = await s.scalar(quotas.STORAGE_USAGE, args) if demand.storage else 0
+        quotas.enforce(tenant, limits, quotas.usage_from(counted, stored), demand)
+
+    @classmethod
+    def _enforce_quota_sync(cls, s: Session, tenant: str, demand: quotas.QuotaDemand) -> None:
+        """:meth:`_enforce_quota` for the synchronous SQLite fast writer (create_sandbox): it runs
+        on the event loop, inside the create's write lock."""
+        cls._check_sqlite(s.connection(), tenant, demand)
+
+    @staticmethod
+    def _check_sqlite(conn: Connection, tenant: str, demand: quotas.QuotaDemand) -> None:
+        """The quota test in driver SQL on a synchronous SQLite connection (~25 µs a lookup
+        against ~130 µs through the ORM)."""
+        limits = quotas.Limits.of(conn.exec_driver_sql(quotas.SQLITE_LIMITS, (tenant,)).first())
+        if limits is None or not quotas.relevant(limits, demand):
+            return
+        counted = (conn.exec_driver_sql(quotas.SQLITE_SANDBOX_USAGE, (tenant,)).first()
+                   if demand.sandboxes else None)
+        stored = conn.exec_driver_sql(quotas.SQLITE_STORAGE_USAGE, (tenant,)).scalar() if demand.storage else 0
+        quotas.enforce(tenant, limits, quotas.usage_from(counted, stored), demand)
+
+    # ---- egress ---------------------------------------------------------------------------------
+
+    async def tenant_egress(self, tenant: str) -> dict[str, Any]:
+        """The tenant's default egress policy ({} when it has none)."""
+        async with self._tx(write=False) as s:
+            row = await s.get(TenantQuota, tenant)
+            return dict(row.egress or {}) if row is not None else {}
+
     # ---- audit ----------------------------------------------------------------------------------
 
     async def record_audit(self, records: Sequence[AuditRecord]) -> None:
@@ -708,6 +825,91 @@ class Store:
             q = q.where(AuditRecord.target == target)
         async with self._tx(write=False) as s:
             return list(await s.scalars(q.order_by(AuditRecord.id).limit(limit)))
+
+    # ---- secrets --------------------------------------------------------------------------------
+    # Rows only: validation, encryption and auditing are space.credentials' business. A row never
+    # holds a value in clear (``ciphertext`` or a vault ``ref``).
+
+    async def put_secret(self, row: Secret) -> tuple[Secret, bool]:
+        """Create a secret, or replace the tenant's secret of the same scope and name (its id,
+        ``created_at`` and ``created_by`` stay). Returns the stored row and whether it is new."""
+        for attempt in range(2):
+            now = utcnow()
+            try:
+                async with self._tx() as s:
+                    found = await s.scalar(
+                        select(Secret).where(Secret.tenant == row.tenant, Secret.scope == row.scope,
+                                             Secret.name == row.name).with_for_update()
+                    )
+                    if found is None:
+                        fresh = Secret(**{f: getattr(row, f) for f in _SECRET_COPY},
+                                       id=row.id or ids.secret_id(), tenant=row.tenant, scope=row.scope,
+                                       name=row.name, created_by=row.created_by or "",
+                                       created_at=now, updated_at=now)
+                        s.add(fresh)
+                        return fresh, True
+                    for f in _SECRET_COPY:
+                        setattr(found, f, getattr(row, f))
+                    found.updated_at = now
+                    return found, False
+            except Conflict:
+                # A concurrent create of the same name committed first: replace that one.
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def get_secret(self, tenant: str, scope: str, name: str) -> Secret:
+        async with self._tx(write=False) as s:
+            row = await s.scalar(select(Secret).where(Secret.tenant == tenant, Secret.scope == scope,
+                                                      Secret.name == name))
+        if row is None:
+            raise NotFound(f"secret {name} not found in scope {scope}", secret=name, scope=scope)
+        return row
+
+    async def list_secrets(
+        self,
+        tenant: str | None,
+        *,
+        scopes: Sequence[str] | None = None,
+        names: Sequence[str] | None = None,
+        backend: str | None = None,
+    ) -> list[Secret]:
+        """Secrets by name then scope; ``tenant=None`` is every tenant (key rotation)."""
+        q = select(Secret).order_by(Secret.name, Secret.scope)
+        if tenant is not None:
+            q = q.where(Secret.tenant == tenant)
+        if scopes is not None:
+            q = q.where(Secret.scope.in_(list(scopes)))
+        if names is not None:
+            q = q.where(Secret.name.in_(list(names)))
+        if backend is not None:
+            q = q.where(Secret.backend == backend)
+        async with self._tx(write=False) as s:
+            return list(await s.scalars(q))
+
+    async def delete_secret(self, tenant: str, scope: str, name: str) -> Secret:
+        """Delete the row and return it (its backend may still hold the value to forget)."""
+        async with self._tx() as s:
+            row = await s.scalar(select(Secret).where(Secret.tenant == tenant, Secret.scope == scope,
+                                                      Secret.name == name).with_for_update())
+            if row is None:
+                raise NotFound(f"secret {name} not found in scope {scope}", secret=name, scope=scope)
+            await s.delete(row)
+            return row
+
+    async def reseal_secret(self, secret_id: str, *, old_key_id: str | None, ciphertext: bytes,
+                            key_id: str) -> bool:
+        """Swap in a value re-encrypted under another key, unless the row changed meanwhile
+        (then False: a concurrent set already sealed it anew)."""
+        async with self._tx() as s:
+            res = await s.execute(
+                update(Secret)
+                .where(Secret.id == secret_id, Secret.backend == "builtin",
+                       Secret.key_id == old_key_id if old_key_id is not None else Secret.key_id.is_(None))
+                .values(ciphertext=ciphertext, key_id=key_id)
+                .execution_options(synchronize_session=False)
+            )
+            return _rowcount(res) == 1
 
     # ---- operations -----------------------------------------------------------------------------
 
@@ -756,6 +958,8 @@ class Store:
                 found = await existing(s)
                 if found is not None:
                     return found
+                if snapshot is not None and snapshot.origin in quotas.STORAGE_CHECKED_ORIGINS:
+                    await self._enforce_quota(s, op.tenant, quotas.QuotaDemand(storage=True))
                 sb = await self._get(s, Sandbox, op.target, "sandbox", lock=True)
                 if move_to is not None:
                     current = State(sb.state)
@@ -802,14 +1006,20 @@ class Store:
         replay: Callable[[AsyncSession, Operation], Awaitable[_T]],
         created: _T,
         now: dt.datetime | None = None,
+        check: Callable[[AsyncSession], Awaitable[None]] | None = None,
     ) -> _T:
         """Insert ``rows`` and ``op`` in one transaction, or, when the op's idempotency key was
-        used before, return what ``replay`` makes of the earlier operation."""
+        used before, return what ``replay`` makes of the earlier operation. ``check`` runs in the
+        same transaction before a new insert (the quota), never before a replay."""
         _prepare_operation(op, now or utcnow())
 
         async def existing(s: AsyncSession) -> _T | None:
             prior = await self._find_idempotent(s, op)
-            return None if prior is None else await replay(s, prior)
+            if prior is None:
+                if check is not None:
+                    await check(s)
+                return None
+            return await replay(s, prior)
 
         def insert(s: AsyncSession) -> _T:
             s.add_all([*rows, op])

@@ -12,6 +12,8 @@ from ._http import AsyncHTTP
 from ._pools import AsyncPools
 from ._resources import AsyncApiKeys, AsyncOperations, AsyncTemplates
 from ._sandboxes import AsyncSandboxes
+from ._secrets import AsyncSecrets
+from ._tenancy import AsyncAudit, AsyncQuotas
 
 
 class AsyncClient:
@@ -35,6 +37,9 @@ class AsyncClient:
         self.templates = AsyncTemplates(self._http)
         self.apikeys = AsyncApiKeys(self._http)
         self.pools = AsyncPools(self._http)
+        self.quotas = AsyncQuotas(self._http)
+        self.audit = AsyncAudit(self._http)
+        self.secrets = AsyncSecrets(self._http)
 
     @property
     def url(self) -> str:

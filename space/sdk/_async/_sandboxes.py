@@ -59,6 +59,19 @@ class AsyncSandbox:
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.state} template={self.template}>"
 
+    async def get_policy(self) -> JSON:
+        """Its egress policy: ``policy`` (its own), ``effective`` (what the gateway enforces),
+        ``secrets`` (bound names)."""
+        return await self._http.json("GET", f"/v1/sandboxes/{self.id}/policy")
+
+    async def set_policy(self, *, allow: Sequence[str] = (), deny: Sequence[str] = (),
+                         default: str | None = None) -> JSON:
+        """Replace its egress policy; a running sandbox's next connection obeys it."""
+        body: dict[str, Any] = {"allow": list(allow), "deny": list(deny)}
+        if default is not None:
+            body["default"] = default
+        return await self._http.json("PUT", f"/v1/sandboxes/{self.id}/policy", json=body)
+
     async def refresh(self) -> AsyncSandbox:
         self.info = await self._http.json("GET", self._path)
         return self
@@ -312,6 +325,9 @@ class AsyncSandboxes:
         idle_suspend: int | None = None,
         lifetime: int | None = None,
         snapshot_policy: Mapping[str, Any] | None = None,
+        egress: Mapping[str, Any] | None = None,
+        secrets: Sequence[str] | None = None,
+        project: str | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
         timeout: float | None = 120.0,
@@ -321,9 +337,18 @@ class AsyncSandboxes:
         ``idle_pause`` / ``idle_suspend``: seconds without activity before it is paused / suspended;
         ``lifetime``: seconds before it is deleted; ``snapshot_policy``: its snapshot schedule and
         retention (e.g. ``{"disk_every": 60, "full_every": "15m", "retention": [...]}``).
+        ``egress``: its egress policy (``{"allow": [...], "deny": [...], "default": "deny"}``; None:
+        the tenant's default); ``secrets``: names of secrets the gateway injects into its matching
+        requests; ``project``: the scope level between tenant and sandbox for those secrets.
         Retrying with the same ``idempotency_key`` returns the same sandbox instead of a second one.
         """
         body: dict[str, Any] = {"template": template}
+        if egress is not None:
+            body["egress"] = dict(egress)
+        if secrets:
+            body["secrets"] = list(secrets)
+        if project:
+            body["project"] = project
         if cpu is not None:
             body["cpu"] = cpu
         if memory_mb is not None:

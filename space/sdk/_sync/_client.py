@@ -13,6 +13,8 @@ from ._http import SyncHTTP
 from ._pools import Pools
 from ._resources import ApiKeys, Operations, Templates
 from ._sandboxes import Sandboxes
+from ._secrets import Secrets
+from ._tenancy import Audit, Quotas
 
 
 class Client:
@@ -36,6 +38,9 @@ class Client:
         self.templates = Templates(self._http)
         self.apikeys = ApiKeys(self._http)
         self.pools = Pools(self._http)
+        self.quotas = Quotas(self._http)
+        self.audit = Audit(self._http)
+        self.secrets = Secrets(self._http)
 
     @property
     def url(self) -> str:

@@ -1,0 +1,100 @@
+"""Tenancy: a tenant's quota and egress default, and the audit trail."""
+
+from __future__ import annotations
+
+import builtins
+import enum
+from collections.abc import AsyncIterator
+from urllib.parse import quote
+
+from space.sdk._models import JSON
+
+from ._http import AsyncHTTP
+
+
+class Unset(enum.Enum):
+    """The default of a limit ``quotas.set()`` leaves as it is (``None`` clears a limit)."""
+
+    UNSET = "unset"
+
+
+UNSET = Unset.UNSET
+
+
+class AsyncQuotas:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def get(self, tenant: str | None = None) -> JSON:
+        """``{"tenant", "limits", "usage", "updated_at"}`` of ``tenant`` (default: the key's own).
+        ``limits`` and ``usage`` have ``sandboxes``, ``cpu``, ``memory_mb``, ``storage_mb``; a
+        ``None`` limit is unlimited."""
+        if tenant is None:
+            return await self._http.json("GET", "/v1/quota")
+        return await self._http.json("GET", f"/v1/tenants/{quote(tenant, safe='')}/quota")
+
+    async def set(
+        self,
+        tenant: str,
+        *,
+        sandboxes: int | Unset | None = UNSET,
+        cpu: float | Unset | None = UNSET,
+        memory_mb: int | Unset | None = UNSET,
+        storage_mb: int | Unset | None = UNSET,
+    ) -> JSON:
+        """Change the limits given (``None``: unlimited); the others stay. Operator keys only."""
+        given = {"sandboxes": sandboxes, "cpu": cpu, "memory_mb": memory_mb, "storage_mb": storage_mb}
+        body = {k: v for k, v in given.items() if v is not UNSET}
+        return await self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/quota", json=body)
+
+    async def get_egress(self, tenant: str) -> JSON:
+        """The tenant's default egress policy document (``{}``: none)."""
+        body = await self._http.json("GET", f"/v1/tenants/{quote(tenant, safe='')}/egress")
+        return dict(body.get("egress") or {})
+
+    async def set_egress(self, tenant: str, policy: JSON) -> JSON:
+        """Replace the tenant's default egress policy (``{"allow": [...], "deny": [...], "default"}``);
+        returns it normalized."""
+        body = await self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/egress", json=policy)
+        return dict(body.get("egress") or {})
+
+
+class AsyncAudit:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def list(
+        self,
+        *,
+        after: int = 0,
+        action: str | None = None,
+        target: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+    ) -> builtins.list[JSON]:
+        """Records with ``id > after``, oldest first (``action`` ending in ``.`` is a prefix).
+        Admin keys: a tenant's own records; the operator's, every tenant's unless ``tenant``."""
+        params: dict[str, str | int] = {"after": after, "limit": limit}
+        for key, value in (("action", action), ("target", target), ("tenant", tenant)):
+            if value is not None:
+                params[key] = value
+        body = await self._http.json("GET", "/v1/audit", params=params)
+        return list(body.get("records", []))
+
+    async def iter(
+        self,
+        *,
+        after: int = 0,
+        action: str | None = None,
+        target: str | None = None,
+        tenant: str | None = None,
+        page: int = 500,
+    ) -> AsyncIterator[JSON]:
+        """Every matching record after ``after``, fetched ``page`` at a time."""
+        while True:
+            records = await self.list(after=after, action=action, target=target, tenant=tenant, limit=page)
+            for rec in records:
+                yield rec
+            if len(records) < page:
+                return
+            after = int(records[-1]["id"])
