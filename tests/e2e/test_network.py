@@ -269,3 +269,52 @@ def test_teardown_leaves_no_network_state(tmp_path: Path) -> None:
     assert subprocess.run(["nft", "list", "table", "inet", f"space_{tag}"], capture_output=True).returncode != 0
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(s.data_dir) not in ps and f"/{tag}" not in ps
+
+
+def act(api: httpx.Client, sid: str, action: str) -> None:
+    r = api.post(f"/v1/sandboxes/{sid}/{action}")
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+    assert op["status"] == "succeeded", op
+
+
+def test_policy_follows_pause_and_suspend_restore(api: httpx.Client, lab: NetLab) -> None:
+    """The policy lives with the sandbox, not with its runtime instance or its node."""
+    sid = create(api, egress=ALLOW_API)
+    try:
+        # A connection open across the suspend: the gateway resets it first (a checkpoint cannot
+        # hold an established TCP connection), and the sandbox's process sees that, not a hang.
+        sh(api, sid, "nohup python3 -c \"import socket,time; s=socket.create_connection(('api.test', 80)); "
+                     "time.sleep(3600)\" >/dev/null 2>&1 & sleep 0.5")
+        act(api, sid, "pause")
+        act(api, sid, "resume")
+        assert curl(api, sid, "http://api.test/after-resume")[0] == "200"
+        act(api, sid, "suspend")
+        act(api, sid, "restore")
+        assert curl(api, sid, "http://api.test/after-restore")[0] == "200"
+        assert curl(api, sid, f"http://{META}/")[0] == "403"
+        assert curl(api, sid, f"http://{EVIL}/")[0] == "403"
+        assert {"/after-resume", "/after-restore"} <= {h["path"] for h in lab.hits(API)}
+        assert lab.hits(META) == [] and lab.hits(EVIL) == []
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_dead_gateway_is_restarted_with_what_it_knew(api: httpx.Client, srv: Server, sandbox: str) -> None:
+    import os
+    import signal
+
+    pidfile = srv.data_dir / "gateway" / "gateway.pid"
+    old = int(pidfile.read_text())
+    assert curl(api, sandbox, "http://api.test/before-crash")[0] == "200"
+    os.kill(old, signal.SIGKILL)
+
+    def back() -> bool:
+        try:
+            pid = int(pidfile.read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return pid != old and curl(api, sandbox, "http://api.test/after-crash")[0] == "200"
+    wait_for(back, 60, "the node to restart its gateway and give it the sandbox's policy back")
+    # The policy came back with it, not an open door.
+    assert curl(api, sandbox, f"http://{META}/")[0] == "403"
