@@ -111,7 +111,7 @@ async def restore(sandbox_id: str, who: Auth, st: St, body: RestoreBody | None =
                   idempotency_key: IdemKey = None) -> JSONResponse:
     node = body.node if body is not None else None
     if node is not None:
-        who.require_admin()
+        who.require_operator()
         await st.store.get_node(node)  # 404 for an unknown node
     sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     return await start_action(st, who, sandbox_id, Action.RESTORE, "sandbox.restore",

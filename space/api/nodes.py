@@ -33,7 +33,7 @@ def node_view(n: Any) -> dict[str, Any]:
 @router.post("", status_code=201)
 async def register_node(body: RegisterNode, who: Auth, st: St) -> JSONResponse:
     """Register (or re-register) a node; it must answer with its token before it is scheduled."""
-    who.require_admin()
+    who.require_operator()
     probe = NodeClient(body.id, body.url, body.token, timeout=10)
     try:
         info = await probe.call("GET", "/v1/node")
@@ -48,5 +48,5 @@ async def register_node(body: RegisterNode, who: Auth, st: St) -> JSONResponse:
 
 @router.get("")
 async def list_nodes(who: Auth, st: St) -> dict[str, Any]:
-    who.require_admin()
+    who.require_operator()
     return {"nodes": [node_view(n) for n in await st.store.list_nodes(None)]}

@@ -70,7 +70,7 @@ async def list_pools(who: Auth, st: St) -> dict[str, Any]:
 
 @router.put("/{template}")
 async def set_pool(template: str, body: SetPool, who: Auth, st: St) -> dict[str, Any]:
-    who.require_admin()
+    who.require_operator()
     await st.store.get_template(template)  # 404 for an unknown template
     nodes = await st.store.list_nodes("ready")
     others = sum(p.size * p.memory_mb for p in await st.store.list_warm_pools()
@@ -93,7 +93,7 @@ async def set_pool(template: str, body: SetPool, who: Auth, st: St) -> dict[str,
 @router.delete("/{template}")
 async def delete_pool(template: str, who: Auth, st: St, cpu: Annotated[float, Query(gt=0)] = 1.0,
                       memory_mb: Annotated[int, Query(ge=128)] = 512) -> dict[str, Any]:
-    who.require_admin()
+    who.require_operator()
     row = await st.store.set_warm_pool(template, cpu=cpu, memory_mb=memory_mb, size=0)
     await st.controller.push_warm_pools()
     return pool_view(row, {})

@@ -80,7 +80,7 @@ async def get_blob(sha256: str, who: Auth, st: St) -> dict[str, Any]:
 @router.put("/blobs/{sha256}")
 async def put_blob(sha256: str, request: Request, who: Auth, st: St) -> dict[str, Any]:
     """Store a file of a template spec under its sha256 (checked); bounded by MAX_BLOB_BYTES."""
-    who.require_admin()
+    who.require_operator()
     key = template_spec.blob_key(sha256)
     objects = _objects(st)
     limit = template_spec.MAX_BLOB_BYTES
@@ -119,7 +119,7 @@ async def get_template(name: str, who: Auth, st: St) -> dict[str, Any]:
 
 @router.post("/{name}/build", status_code=202)
 async def build_template(name: str, who: Auth, st: St, body: BuildBody | None = None) -> JSONResponse:
-    who.require_admin()
+    who.require_operator()
     spec: dict[str, Any] | None
     if body is not None and body.spec is not None:
         spec = await resolve_spec(st, name, body.spec)
@@ -191,7 +191,7 @@ async def queue_build(st: AppState, name: str, spec: dict[str, Any], *, tenant: 
 async def save_template(body: SaveBody, who: Auth, st: St) -> JSONResponse:
     """Save a sandbox (a snapshot of it) as template ``name``: operation ``template.save``."""
     # Templates are global (every tenant can create sandboxes of them): admins only.
-    who.require_admin()
+    who.require_operator()
     check_name(body.name, "template name")
     if body.name in st.controller.template_specs:
         raise Conflict(f"template {body.name!r} is configured on this server (built from its spec); "

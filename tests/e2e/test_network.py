@@ -318,3 +318,72 @@ def test_a_dead_gateway_is_restarted_with_what_it_knew(api: httpx.Client, srv: S
     wait_for(back, 60, "the node to restart its gateway and give it the sandbox's policy back")
     # The policy came back with it, not an open door.
     assert curl(api, sandbox, f"http://{META}/")[0] == "403"
+
+
+def test_cli_contract(api: httpx.Client, srv: Server, lab: NetLab) -> None:
+    """`space secret set`, `space sandbox create --secret --allow --deny`, `space policy get|set`."""
+    import json
+    import os
+    import subprocess
+
+    from tests.e2e.harness import SPACE
+
+    def cli(*args: str, stdin: bytes | None = None) -> str:
+        env = {**os.environ, "SPACE_URL": srv.url, "SPACE_API_KEY": srv.admin_key}
+        p = subprocess.run([SPACE, *args], env=env, capture_output=True, input=stdin, timeout=300)
+        assert p.returncode == 0, (args, p.stderr.decode())
+        return p.stdout.decode()
+
+    value = "cli-" + pysecrets.token_hex(12)
+    cli("secret", "set", "CLI_TOKEN", "-", "--host", "api.test", "--header", "X-Api-Key", "--format", "{}",
+        stdin=value.encode())
+    assert value not in cli("secret", "list") and value not in cli("secret", "list", "--json")
+    sid = cli("sandbox", "create", "--secret", "CLI_TOKEN", "--allow", "api.test", "--allow", f"{API}/32",
+              "--deny", "evil.test").strip()
+    try:
+        view = json.loads(cli("policy", "get", sid, "--json"))
+        assert view["policy"] == {"allow": ["api.test", f"{API}/32"], "deny": ["evil.test"]}
+        assert view["secrets"] == ["CLI_TOKEN"]
+        assert curl(api, sid, "https://api.test/cli")[0] == "200"
+        assert [h for h in lab.hits(API) if h["path"] == "/cli"][-1]["headers"]["x-api-key"] == value
+        view = json.loads(cli("policy", "set", sid, "--deny", "api.test", "--json"))
+        assert view["effective"] == {"deny": ["api.test"]}
+        assert curl(api, sid, "https://api.test/cli-denied", "--resolve", f"api.test:443:{API}")[0] == "000"
+        assert "sandbox" in cli("policy", "get", sid)
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+        cli("secret", "delete", "CLI_TOKEN")
+
+
+def test_tenant_default_policy_applies_to_sandboxes_without_their_own(api: httpx.Client, lab: NetLab) -> None:
+    r = api.put("/v1/tenants/default/egress", json={"allow": ["api.test", f"{API}/32"]})
+    assert r.status_code == 200, r.text
+    try:
+        sid = create(api)
+        try:
+            view = api.get(f"/v1/sandboxes/{sid}/policy").json()
+            assert view["inherited"] and view["effective"] == {"allow": ["api.test", f"{API}/32"]}
+            assert curl(api, sid, "http://api.test/tenant-default")[0] == "200"
+            assert curl(api, sid, f"http://{EVIL}/")[0] == "403"  # not on the tenant's allow list
+            assert lab.hits(EVIL) == []
+        finally:
+            api.delete(f"/v1/sandboxes/{sid}")
+        assert api.put("/v1/tenants/default/egress", json={"allow": ["*.test"], "deny": ["exa mple"]}).status_code \
+            == 400
+    finally:
+        assert api.put("/v1/tenants/default/egress", json={}).status_code == 200
+
+
+def test_the_pool_never_honours_sandbox_setuid_or_devices(api: httpx.Client, srv: Server, sandbox: str) -> None:
+    """A sandbox can write a setuid-root binary into its root: the host mounts the pool nosuid,nodev,
+    so no host process can use it to become root."""
+    import subprocess
+
+    pool = srv.data_dir / "pool"
+    opts = subprocess.run(["findmnt", "-no", "OPTIONS", str(pool)], capture_output=True, text=True).stdout
+    assert "nosuid" in opts.split(",") and "nodev" in opts.split(","), opts
+    code, _, err = run(api, sandbox, {"cmd": ["sh", "-c", "cp /bin/id /tmp/suid-id && chmod 4755 /tmp/suid-id"],
+                                      "user": "root"})
+    assert code == 0, err
+    suid = next((srv.data_dir / "pool" / "sandboxes" / sandbox / "rootfs" / "tmp").glob("suid-id"))
+    assert suid.stat().st_mode & 0o4000  # on the host the file is setuid-root, but its mount is nosuid
