@@ -133,39 +133,6 @@ async def prime(conn: GuestConnection, user: str | None, *, timeout: float = 10.
         await conn.request("forget", cmd=cid)
 
 
-#: Run as root at a cold boot: DNS through the gateway, and the deployment's egress CA trusted
-#: (its own file, and appended once to the system bundle that curl, OpenSSL and Python use).
-_NETSETUP = r"""
-set -e
-printf 'nameserver %s\noptions timeout:2 attempts:2\n' "$SPACE_GATEWAY" > /etc/resolv.conf.space
-mv -f /etc/resolv.conf.space /etc/resolv.conf 2>/dev/null || cp /etc/resolv.conf.space /etc/resolv.conf
-[ -n "$SPACE_CA" ] || exit 0
-mkdir -p /usr/local/share/ca-certificates
-printf '%s\n' "$SPACE_CA" > /usr/local/share/ca-certificates/space-egress-ca.crt
-bundle=/etc/ssl/certs/ca-certificates.crt
-if [ -d /etc/ssl/certs ] && ! grep -qF "$SPACE_CA_MARK" "$bundle" 2>/dev/null; then
-  printf '%s\n' "$SPACE_CA" >> "$bundle"
-fi
-"""
-
-
-async def network_setup(conn: GuestConnection, gateway_ip: str, ca_pem: bytes | None, *,
-                        timeout: float = 10.0) -> None:
-    """Point the guest's resolver at the gateway and make it trust the egress CA (idempotent)."""
-    ca = (ca_pem or b"").decode().strip()
-    # A line of the certificate's base64 body identifies it in the bundle.
-    mark = next((line for line in ca.splitlines()[1:] if len(line) >= 40), "")
-    cid = f"netsetup-{secrets.token_hex(4)}"
-    await conn.request("exec", cmd=cid, argv=["/bin/sh", "-c", _NETSETUP], user="root", kill_after=timeout,
-                       env={"SPACE_GATEWAY": gateway_ip, "SPACE_CA": ca, "SPACE_CA_MARK": mark})
-    async with asyncio.timeout(timeout + GRACE):
-        code, sig = await _exit_of(conn, cid)
-    with contextlib.suppress(SpaceError):
-        await conn.request("forget", cmd=cid)
-    if code != 0:
-        raise RuntimeFailure(f"network setup in the guest failed ({_how(code, sig)})")
-
-
 def _how(code: Any, sig: Any) -> str:
     return f"signal {sig}" if sig else f"exit {code}"
 

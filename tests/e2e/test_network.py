@@ -157,7 +157,8 @@ def test_host_ports_and_other_sandboxes_are_unreachable(api: httpx.Client, srv: 
 
 
 def test_policy_change_applies_to_the_running_sandbox(api: httpx.Client, sandbox: str) -> None:
-    assert curl(api, sandbox, "http://api.test/")[0] == "200"
+    code, body = curl(api, sandbox, "http://api.test/", "-i")
+    assert code == "200", body
     r = api.put(f"/v1/sandboxes/{sandbox}/policy", json={"deny": ["api.test"]})
     assert r.status_code == 200, r.text
     assert r.json()["effective"] == {"deny": ["api.test"]}

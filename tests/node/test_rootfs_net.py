@@ -1,0 +1,66 @@
+"""rootfs_net.configure: the resolver and the egress CA are written into a sandbox's root from the
+host without ever following a symlink the root's author planted (a template may come from a
+user's sandbox)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from space.node import rootfs_net
+
+CA = b"-----BEGIN CERTIFICATE-----\nMIIBspaceTESTca\n-----END CERTIFICATE-----\n"
+
+
+def make_root(tmp: Path) -> Path:
+    root = tmp / "root"
+    (root / "etc" / "ssl" / "certs").mkdir(parents=True)
+    (root / "etc" / "resolv.conf").write_text("nameserver 8.8.8.8\n")
+    (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").write_bytes(b"-----BEGIN CERTIFICATE-----\nX\n"
+                                                                       b"-----END CERTIFICATE-----\n")
+    return root
+
+
+def test_writes_resolver_and_ca_idempotently(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    for _ in range(2):
+        rootfs_net.configure(root, "10.208.0.1", CA)
+    assert (root / "etc" / "resolv.conf").read_text().startswith("nameserver 10.208.0.1\n")
+    bundle = (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").read_bytes()
+    assert bundle.count(CA) == 1 and bundle.startswith(b"-----BEGIN CERTIFICATE-----\nX\n")
+    assert (root / "usr" / "local" / "share" / "ca-certificates" / rootfs_net.CA_NAME).read_bytes() == CA
+
+
+def test_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
+    host = tmp_path / "host-secret"
+    host.write_text("host file\n")
+    root = make_root(tmp_path)
+    # resolv.conf aimed at a host file: replaced, the host file untouched.
+    (root / "etc" / "resolv.conf").unlink()
+    os.symlink(host, root / "etc" / "resolv.conf")
+    # The bundle aimed at the host file too: left alone.
+    bundle = root / "etc" / "ssl" / "certs" / "ca-certificates.crt"
+    bundle.unlink()
+    os.symlink(host, bundle)
+    # A directory on the way that is a symlink to a host directory: not entered.
+    host_dir = tmp_path / "host-dir"
+    host_dir.mkdir()
+    (root / "usr").mkdir()
+    os.symlink(host_dir, root / "usr" / "local")
+    rootfs_net.configure(root, "10.208.0.1", CA)
+    assert host.read_text() == "host file\n"
+    assert list(host_dir.iterdir()) == []
+    assert not (root / "etc" / "resolv.conf").is_symlink()
+    assert (root / "etc" / "resolv.conf").read_text().startswith("nameserver 10.208.0.1")
+
+
+def test_etc_itself_a_symlink_is_left_alone(tmp_path: Path) -> None:
+    host_etc = tmp_path / "host-etc"
+    host_etc.mkdir()
+    (host_etc / "resolv.conf").write_text("host\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(host_etc, root / "etc")
+    rootfs_net.configure(root, "10.208.0.1", CA)
+    assert (host_etc / "resolv.conf").read_text() == "host\n"
+    assert sorted(p.name for p in host_etc.iterdir()) == ["resolv.conf"]
