@@ -383,8 +383,8 @@ def test_the_pool_never_honours_sandbox_setuid_or_devices(api: httpx.Client, srv
     pool = srv.data_dir / "pool"
     opts = subprocess.run(["findmnt", "-no", "OPTIONS", str(pool)], capture_output=True, text=True).stdout
     assert "nosuid" in opts.split(",") and "nodev" in opts.split(","), opts
-    code, _, err = run(api, sandbox, {"cmd": ["sh", "-c", "cp /bin/id /tmp/suid-id && chmod 4755 /tmp/suid-id"],
+    code, _, err = run(api, sandbox, {"cmd": ["sh", "-c", "cp /bin/id /root/suid-id && chmod 4755 /root/suid-id"],
                                       "user": "root"})
     assert code == 0, err
-    suid = next((srv.data_dir / "pool" / "sandboxes" / sandbox / "rootfs" / "tmp").glob("suid-id"))
+    suid = next((srv.data_dir / "pool" / "sandboxes" / sandbox / "rootfs" / "root").glob("suid-id"))
     assert suid.stat().st_mode & 0o4000  # on the host the file is setuid-root, but its mount is nosuid
