@@ -7,9 +7,9 @@ LISTEN ?= 127.0.0.1:8080
 PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 
-.PHONY: setup system python gateway run test lint typecheck check bench clean-dev
+.PHONY: setup system python gateway access run test lint typecheck check bench clean-dev
 
-setup: system python gateway  ## install system packages and the Python environments (idempotent)
+setup: system python gateway access  ## install system packages and the Python environments (idempotent)
 
 system:
 	@if [ "$$(id -u)" -ne 0 ]; then sudo bash scripts/setup-system.sh; else bash scripts/setup-system.sh; fi
@@ -32,6 +32,9 @@ $(GW_VENV)/.installed: gateway-requirements.txt pyproject.toml
 	$(GW_VENV)/bin/python -m pip install -q -r gateway-requirements.txt
 	$(GW_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
+
+access: python  ## the `space` service user (the API runs as it) can reach this Python and checkout
+	@if [ "$$(id -u)" -eq 0 ]; then bash scripts/service-user-access.sh $(PY); fi
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)

@@ -68,7 +68,7 @@ class Supervisor:
             code = proc.wait()
             if not self.ready:
                 log.error("node.failed_to_start", pid=proc.pid, returncode=code)
-                return code or 1
+                return 128 - code if code < 0 else code or 1  # a signal as a shell reports it
             ran = time.monotonic() - started
             backoff = 0.0 if ran >= HEALTHY_RUN else min(MAX_BACKOFF, max(1.0, backoff * 2))
             log.error("node.exited", pid=proc.pid, returncode=code, ran_s=round(ran, 1), restart_in_s=backoff)
@@ -86,16 +86,17 @@ class Supervisor:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            for key, _ in self.sel.select(left):
-                if key.data == "node" and want_node:
-                    return True
-                if key.data == "control":
-                    if os.read(self.control_fd, 4096):
-                        self.ready = True
-                    else:
-                        self.stopping = True
-                elif key.data == "wake":
-                    os.read(key.fd, 4096)
+            events = {key.data: key.fd for key, _ in self.sel.select(left)}
+            # The parent's word first: a "ready" that came with the node agent's exit counts.
+            if "control" in events:
+                if os.read(self.control_fd, 4096):
+                    self.ready = True
+                else:
+                    self.stopping = True
+            if "wake" in events:
+                os.read(events["wake"], 4096)
+            if "node" in events and want_node and not self.stopping:
+                return True
         return False
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
 import pwd
 import stat
@@ -232,7 +233,7 @@ def share_tree(root: Path, gid: int) -> None:
                 _share_dir(here, gid, other=here.lstat().st_mode & 7)
         _share_dir(root, gid, other=0)
     except OSError as e:
-        if e.errno in (95, 61):  # EOPNOTSUPP, ENODATA: no POSIX ACLs on this filesystem
+        if e.errno == errno.EOPNOTSUPP:
             raise PrivilegeError(
                 f"the object store directory {root} is on a filesystem without POSIX ACLs, which "
                 "let the node agent (root) and the API user share it: mount it with ACLs, use an "
@@ -274,13 +275,13 @@ def _verify_dropped(user: ServiceUser) -> None:
     want = ((user.uid,) * 3, (user.gid,) * 3)
     if ids[:2] != want or set(ids[2]) - {user.gid}:
         raise PrivilegeError(f"switching to {user.name!r} left uids/gids/groups {ids}", user=user.name)
-    for regain in (os.setuid, os.setgid):
+    for name, regain in (("setuid", os.setuid), ("setgid", os.setgid)):
         try:
             regain(0)
         except PermissionError:
             continue
-        raise PrivilegeError(f"{regain.__name__}(0) succeeded after switching to {user.name!r}: refusing "
-                             "to serve with a way back to root", user=user.name)
+        raise PrivilegeError(f"{name}(0) succeeded after switching to {user.name!r}: refusing to serve "
+                             "with a way back to root", user=user.name)
     caps = _status_fields("CapPrm", "CapEff", "CapAmb")
     if any(int(v, 16) for v in caps.values()):
         raise PrivilegeError(f"capabilities left after switching to {user.name!r}: {caps}", user=user.name)

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ import httpx
 from tests.waiting import wait_for as wait_for  # re-exported: tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
+#: Where :func:`own_server` keeps data dirs (``/tmp/space-e2e``): reachable by the service user.
+SCRATCH = Path(tempfile.gettempdir()) / "space-e2e"
 SPACE = str(Path(sys.executable).parent / "space")
 
 
@@ -64,6 +67,7 @@ class Server:
                             headers={"authorization": f"Bearer {key or self.admin_key}"})
 
     def start(self, *, wait_template: bool = True) -> None:
+        _open_to_service_user(self.data_dir.parent)
         log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
         self.proc = subprocess.Popen(
             [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
@@ -218,6 +222,28 @@ class NodeAgent:
                             "--cache-dir", str(self.cache_dir)], check=True, capture_output=True, timeout=300)
 
 
+def _open_to_service_user(scratch: Path) -> None:
+    """The server drops to its service user (``$SPACE_USER``, default ``space``) after starting its
+    node agent: that user must pass through the (private, 0700) test directories to its data dir,
+    and may write in ``scratch``, the test's own directory (failpoint markers of the API go there)."""
+    import pwd
+
+    name = os.environ.get("SPACE_USER", "space")
+    try:
+        gid = pwd.getpwnam(name).pw_gid
+    except KeyError:
+        return  # the server refuses to start and says why
+    if name == "root" or gid == 0:
+        return
+    scratch.mkdir(parents=True, exist_ok=True)
+    for d in reversed(scratch.parents):
+        mode = d.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(d, (mode & 0o7777) | 0o001)
+    os.chown(scratch, -1, gid)
+    os.chmod(scratch, 0o770)
+
+
 def _private_file(path: Path, value: str) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -228,8 +254,13 @@ def _private_file(path: Path, value: str) -> Path:
 @contextlib.contextmanager
 def own_server(tmp: Path, *extra_args: str, env: dict[str, str] | None = None,
                start: bool = True) -> Iterator[Server]:
-    """A ``space serve`` of its own under ``tmp`` (skipped where the runtime is missing); on exit it
-    is torn down and checked to have left no loop device and no socket directory behind."""
+    """A ``space serve`` of its own, logging to ``tmp`` (skipped where the runtime is missing); on
+    exit it is torn down and checked to have left no loop device and no socket directory behind.
+
+    Its data dir is in a scratch directory of its own (``srv.data_dir.parent``, which the service
+    user may write to), not under ``tmp``: the server's API runs as the service user, which must
+    reach its data dir all along, and pytest makes ``/tmp/pytest-of-<user>`` private again whenever
+    a session starts."""
     import pytest
 
     from space.node.main import channel_dir_for
@@ -237,7 +268,9 @@ def own_server(tmp: Path, *extra_args: str, env: dict[str, str] | None = None,
     reason = runtime_available()
     if reason:
         pytest.skip(reason)
-    srv = Server(data_dir=tmp / "data", port=free_port(), log_path=tmp / "serve.log",
+    SCRATCH.mkdir(mode=0o711, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=SCRATCH, prefix=f"{tmp.name}-"))
+    srv = Server(data_dir=scratch / "data", port=free_port(), log_path=tmp / "serve.log",
                  extra_args=list(extra_args), env=dict(env or {}))
     try:
         if start:
@@ -247,6 +280,7 @@ def own_server(tmp: Path, *extra_args: str, env: dict[str, str] | None = None,
         srv.teardown()
         assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
         assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
+        shutil.rmtree(scratch)
 
 
 def base_template(server: Server) -> Path:

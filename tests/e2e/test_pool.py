@@ -215,9 +215,11 @@ def _member_key(api: httpx.Client) -> str:
 def test_a_crash_between_claim_and_commit_leaves_nothing_behind(tmp_path: Path) -> None:
     """The API dies after the node handed out a warm sandbox and before the row was written: the
     client's retry (same Idempotency-Key) gets a sandbox, and the orphan is removed."""
-    marker = tmp_path / "crashed"
-    env = {"SPACE_FAILPOINTS": f"api.after_warm_claim=crash-once:{marker}", "SPACE_CLAIM_GRACE": "2"}
-    with own_server(tmp_path, "--warm-pool", "1", env=env) as srv:
+    with own_server(tmp_path, "--warm-pool", "1", env={"SPACE_CLAIM_GRACE": "2"}, start=False) as srv:
+        # The API writes the marker, as the service user: in the scratch dir that user may write to.
+        marker = srv.data_dir.parent / "crashed"
+        srv.env["SPACE_FAILPOINTS"] = f"api.after_warm_claim=crash-once:{marker}"
+        srv.start()
         with srv.client() as api:
             _wait_ready(api, 1)
             (orphan,) = _warm_ids(srv)

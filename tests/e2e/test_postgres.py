@@ -30,4 +30,4 @@ def test_serve_on_postgresql(fresh_server: Server, postgres_url: str) -> None:
         d = api.delete(f"/v1/sandboxes/{sid}").json()
         assert wait_operation(api, d["operation"]["id"])["status"] == "succeeded"
     # The rows are in PostgreSQL, not in a SQLite file of the data dir.
-    assert not (fresh_server.data_dir / "space.db").exists()
+    assert not (fresh_server.data_dir / "control" / "space.db").exists()

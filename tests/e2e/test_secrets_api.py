@@ -74,7 +74,7 @@ def test_set_list_delete_over_http(server: Server, member: httpx.Client, keys: d
 
     # Sealed at rest: neither the database nor its write-ahead log holds the value.
     for name in ("space.db", "space.db-wal"):
-        path = server.data_dir / name
+        path = server.data_dir / "control" / name
         if path.exists():
             assert v.encode() not in path.read_bytes()
     key_file = server.data_dir / "master.key"

@@ -155,7 +155,8 @@ def test_roles_and_the_operator(server: Server, api: httpx.Client, make_tenant: 
     err(a.member.get("/v1/audit"), 403, "forbidden")
     # Platform-wide actions are the operator's, not any tenant admin's: registering a node (it would
     # get other tenants' sandboxes and secrets), warm pools, templates (shared by every tenant).
-    err(a.admin.post("/v1/nodes", json={"id": "rogue", "url": "http://127.0.0.1:1", "token": "t"}), 403, "forbidden")
+    err(a.admin.post("/v1/nodes", json={"id": "rogue", "url": "http://127.0.0.1:1", "token": "t" * 40}), 403,
+        "forbidden")
     err(a.admin.get("/v1/nodes"), 403, "forbidden")
     err(a.admin.put("/v1/pools/base", json={"size": 1}), 403, "forbidden")
     err(a.admin.post("/v1/templates/rogue/build", json={}), 403, "forbidden")
