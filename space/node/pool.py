@@ -36,10 +36,11 @@ from space.node import privileged
 log = structlog.get_logger(__name__)
 
 AREAS = ("templates", "sandboxes", "tmp")
-#: nosuid, nodev: the pool holds files a sandbox wrote (setuid-root binaries and device nodes among
-#: them); the host must never honour those. (Inside the sandbox nothing changes: measured, this
-#: runsc ignores the setuid bit with or without it.)
-MOUNT_OPTIONS = "noatime,nosuid,nodev"
+#: nosuid: the pool holds files a sandbox wrote, setuid-root binaries among them (gVisor lets a
+#: guest root chmod 4755); the host must never honour those. (Inside the sandbox nothing changes:
+#: measured, this runsc ignores the setuid bit with or without it.) Not nodev: template build steps
+#: chroot into roots whose /dev holds debootstrap's device nodes (measured: /dev/null fails there).
+MOUNT_OPTIONS = "noatime,nosuid"
 #: Inode number of every subvolume's root directory (BTRFS_FIRST_FREE_OBJECTID).
 _SUBVOLUME_INO = 256
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
