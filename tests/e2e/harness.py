@@ -369,3 +369,17 @@ def create_sandbox(c: httpx.Client, **body: Any) -> str:
     op = wait_operation(c, r.json()["operation"]["id"])
     assert op["status"] == "succeeded", op
     return str(r.json()["sandbox"]["id"])
+
+
+def node_agent_pid(server: Server) -> int:
+    """The pid of ``server``'s node agent process."""
+    needle = f"--data-dir\x00{server.data_dir}\x00".encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
+                return int(p.name)
+    raise AssertionError("no node agent process")

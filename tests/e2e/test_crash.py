@@ -8,12 +8,11 @@ import json
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.harness import Server, create_sandbox, read_events, run, wait_for, wait_operation
+from tests.e2e.harness import Server, create_sandbox, node_agent_pid, read_events, run, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
 
@@ -77,17 +76,6 @@ def test_sandboxes_survive_a_server_restart(fresh_server: Server) -> None:
 
 
 
-def _node_agent_pid(server: Server) -> int:
-    needle = f"--data-dir\x00{server.data_dir}\x00".encode()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
-                return int(p.name)
-    raise AssertionError("no node agent process")
 
 
 def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> None:
@@ -97,7 +85,7 @@ def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> No
     r = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "echo before; read x; echo after $x", "stdin": True})
     cid = r.json()["id"]
     wait_for(lambda: b"before" in _stdout(api, sid, cid, limit=1), 30, "the command's first output")
-    old = _node_agent_pid(server)
+    old = node_agent_pid(server)
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
     wait_for(lambda: api.post(f"/v1/sandboxes/{sid}/commands/{cid}/stdin", content=b"1\n",
@@ -111,7 +99,7 @@ def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> No
 
 def _node_agent_pid_or_none(server: Server) -> int | None:
     try:
-        return _node_agent_pid(server)
+        return node_agent_pid(server)
     except AssertionError:
         return None
 
@@ -129,7 +117,7 @@ def test_a_paused_sandbox_stays_paused_across_a_node_agent_crash(server: Server,
     sid = create_sandbox(api)
     start_counter(api, sid)
     act(api, sid, "pause")
-    old = _node_agent_pid(server)
+    old = node_agent_pid(server)
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
     node = wait_for(lambda: next((s for s in _node_sandboxes(server) if s["id"] == sid), None), 60,

@@ -13,7 +13,7 @@ import pytest
 
 from space.node.main import channel_dir_for
 from space.privdrop import acl_groups
-from tests.e2e.harness import Server, create_sandbox, run, wait_for, wait_operation
+from tests.e2e.harness import Server, create_sandbox, node_agent_pid, run, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
 
@@ -30,17 +30,6 @@ def _status(pid: int) -> dict[str, list[int]]:
     return out
 
 
-def _node_agent_pid(server: Server) -> int:
-    needle = f"--data-dir\x00{server.data_dir}\x00".encode()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
-                return int(p.name)
-    raise AssertionError("no node agent process")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +51,7 @@ def test_the_api_runs_as_the_service_user_and_cannot_get_root_back(server: Serve
 
 def test_the_node_agent_and_its_supervisor_run_as_root(server: Server) -> None:
     assert server.proc is not None
-    node = _status(_node_agent_pid(server))
+    node = _status(node_agent_pid(server))
     assert node["Uid"] == [0] * 4 and node["Gid"] == [0] * 4
     supervisor = node["PPid"][0]
     assert _status(supervisor)["Uid"] == [0] * 4
