@@ -198,6 +198,10 @@ class Sandbox(Base):
     secrets: Mapped[list[str]] = mapped_column(JSON, default=list)
 
 
+# A tenant's live sandboxes (quota usage, listings) without a scan of its whole history.
+Index("ix_sandboxes_tenant_state", Sandbox.tenant, Sandbox.state)
+
+
 class Operation(Base):
     __tablename__ = "operations"
     __table_args__ = (UniqueConstraint("tenant", "idempotency_key"),)

@@ -143,3 +143,24 @@ def _node_sandboxes(server: Server) -> list[dict[str, object]]:
     except httpx.HTTPError:
         return []
     return list(r.json()["sandboxes"]) if r.status_code == 200 else []
+
+
+def test_sigterm_shuts_down_cleanly_and_keeps_the_last_audit_records(fresh_server: Server) -> None:
+    """A stop (SIGTERM) runs the server's shutdown: the audit records of the last calls are written
+    (they are batched), the database is closed, and the process exits 0 instead of dying by signal."""
+    import sqlite3
+
+    fresh_server.start(wait_template=False)
+    with fresh_server.client() as api:
+        r = api.post("/v1/apikeys", json={"tenant": "default", "role": "readonly", "name": "last-call"})
+        assert r.status_code == 201, r.text
+        key_id = r.json()["id"]
+    fresh_server.stop()
+    assert fresh_server.proc is not None and fresh_server.proc.returncode == 0, fresh_server.log_tail()
+    assert '"serve.stopped"' in fresh_server.log_tail(20000)
+    db = sqlite3.connect(f"file:{fresh_server.data_dir / 'control' / 'space.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT action, result FROM audit_log WHERE target = ?", (key_id,)).fetchall()
+    finally:
+        db.close()
+    assert rows == [("apikey.create", "ok")], rows
