@@ -383,3 +383,10 @@ def node_agent_pid(server: Server) -> int:
             if b"space.cli.main\x00node\x00run" in cmd and needle in cmd:
                 return int(p.name)
     raise AssertionError("no node agent process")
+
+
+def node_agent_pid_or_none(server: Server) -> int | None:
+    try:
+        return node_agent_pid(server)
+    except AssertionError:
+        return None

@@ -12,7 +12,16 @@ import subprocess
 import httpx
 import pytest
 
-from tests.e2e.harness import Server, create_sandbox, node_agent_pid, read_events, run, wait_for, wait_operation
+from tests.e2e.harness import (
+    Server,
+    create_sandbox,
+    node_agent_pid,
+    node_agent_pid_or_none,
+    read_events,
+    run,
+    wait_for,
+    wait_operation,
+)
 
 pytestmark = pytest.mark.runtime
 
@@ -87,7 +96,7 @@ def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> No
     wait_for(lambda: b"before" in _stdout(api, sid, cid, limit=1), 30, "the command's first output")
     old = node_agent_pid(server)
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
+    wait_for(lambda: node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
     wait_for(lambda: api.post(f"/v1/sandboxes/{sid}/commands/{cid}/stdin", content=b"1\n",
                               params={"eof": "true"}).status_code == 204, 60, "the sandbox to answer again")
     events = read_events(api, sid, cid)
@@ -95,13 +104,6 @@ def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> No
     assert out == b"before\nafter 1\n" and events[-1]["data"]["exit_code"] == 0
     assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
     api.delete(f"/v1/sandboxes/{sid}")
-
-
-def _node_agent_pid_or_none(server: Server) -> int | None:
-    try:
-        return node_agent_pid(server)
-    except AssertionError:
-        return None
 
 
 def _stdout(api: httpx.Client, sid: str, cid: str, limit: int) -> bytes:
@@ -119,7 +121,7 @@ def test_a_paused_sandbox_stays_paused_across_a_node_agent_crash(server: Server,
     act(api, sid, "pause")
     old = node_agent_pid(server)
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: _node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
+    wait_for(lambda: node_agent_pid_or_none(server) not in (None, old), 60, "a new node agent")
     node = wait_for(lambda: next((s for s in _node_sandboxes(server) if s["id"] == sid), None), 60,
                     "the new node agent to adopt the sandbox")
     assert node["status"] == "paused", node

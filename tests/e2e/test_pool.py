@@ -19,8 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import SPACE, Server, _node_agent_running, create_sandbox, own_server, run, wait_operation
-from tests.e2e.test_crash import _node_agent_pid, _node_agent_pid_or_none
+from tests.e2e.harness import (
+    SPACE,
+    Server,
+    _node_agent_running,
+    create_sandbox,
+    node_agent_pid,
+    node_agent_pid_or_none,
+    own_server,
+    run,
+    wait_operation,
+)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.runtime
@@ -171,9 +180,9 @@ def test_node_agent_crash_keeps_warm_sandboxes_and_never_repools_a_claimed_one(
     _wait_ready(api, 2)
     warm_before = _warm_ids(pooled)
 
-    old = _node_agent_pid(pooled)
+    old = node_agent_pid(pooled)
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: _node_agent_pid_or_none(pooled) not in (None, old), 60, "a new node agent")
+    wait_for(lambda: node_agent_pid_or_none(pooled) not in (None, old), 60, "a new node agent")
     wait_for(lambda: api.post(f"/v1/sandboxes/{claimed}/commands", json={"cmd": ["true"]}).status_code == 201,
              60, "the node agent to serve again")
     _wait_ready(api, 2)
