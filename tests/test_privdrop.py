@@ -240,7 +240,7 @@ def supervised(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]
     """A supervisor running a stand-in node agent that appends its pid to a file and waits."""
     pids = tmp_path / "pids"
     child = [sys.executable, "-c",
-             f"import os, time\nopen({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\ntime.sleep(1000)"]
+             f"import os, signal\nopen({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\nsignal.pause()"]
     proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE, cwd=REPO,
                             stderr=subprocess.DEVNULL)
     assert proc.stdin is not None

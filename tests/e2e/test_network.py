@@ -285,13 +285,24 @@ def test_policy_follows_pause_and_suspend_restore(api: httpx.Client, lab: NetLab
     try:
         # A connection open across the suspend: the gateway resets it first (a checkpoint cannot
         # hold an established TCP connection), and the sandbox's process sees that, not a hang.
-        sh(api, sid, "nohup python3 -c \"import socket,time; s=socket.create_connection(('api.test', 80)); "
-                     "time.sleep(3600)\" >/dev/null 2>&1 & sleep 0.5")
+        holder = ("import socket\n"
+                  "s = socket.create_connection(('api.test', 80))\n"
+                  "open('/root/connected', 'w').close()\n"
+                  "try:\n    s.recv(1); outcome = 'eof'\n"
+                  "except OSError as e:\n    outcome = type(e).__name__\n"
+                  "open('/root/outcome', 'w').write(outcome)\n")
+        code, _, err = run(api, sid, {"cmd": ["sh", "-c", f"nohup python3 -c {shlex.quote(holder)} "
+                                              ">/root/holder.log 2>&1 &"], "user": "root"})
+        assert code == 0, err
+        wait_for(lambda: run(api, sid, {"cmd": ["test", "-f", "/root/connected"], "user": "root"})[0] == 0, 30,
+                 "the sandbox to hold a connection")
         act(api, sid, "pause")
         act(api, sid, "resume")
         assert curl(api, sid, "http://api.test/after-resume")[0] == "200"
         act(api, sid, "suspend")
         act(api, sid, "restore")
+        outcome = run(api, sid, {"cmd": ["cat", "/root/outcome"], "user": "root"})[1]
+        assert outcome == b"ConnectionResetError", outcome
         assert curl(api, sid, "http://api.test/after-restore")[0] == "200"
         assert curl(api, sid, f"http://{META}/")[0] == "403"
         assert curl(api, sid, f"http://{EVIL}/")[0] == "403"
