@@ -25,6 +25,19 @@ from space.errors import Unavailable
 log = structlog.get_logger(__name__)
 
 PIDFILE = "gateway.pid"
+VERSIONFILE = "gateway.version"
+
+
+def code_version() -> str:
+    """A digest of the gateway's code: a running gateway of other code (an upgrade) is replaced."""
+    import hashlib
+
+    import space.gateway as pkg
+
+    h = hashlib.sha256()
+    for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def default_python() -> Path:
@@ -134,14 +147,25 @@ class GatewayProcess:
     async def ensure(self, *, timeout: float = 30.0) -> None:
         """The gateway is running and answers on its control socket."""
         pid = self._alive_pid()
+        version = code_version()
         if pid is not None:
             try:
-                await self.client.call("stats")
-                self.pid = pid
-                return
-            except Unavailable:
-                log.warning("gateway.unresponsive", pid=pid)
+                running = (self.work_dir / VERSIONFILE).read_text().strip()
+            except FileNotFoundError:
+                running = ""
+            if running != version:
+                # Replacing it resets the sandboxes' open connections; their policies are given
+                # back by the agent, their secrets by the control plane.
+                log.warning("gateway.replaced", pid=pid, running=running, version=version)
                 await self.stop()
+            else:
+                try:
+                    await self.client.call("stats")
+                    self.pid = pid
+                    return
+                except Unavailable:
+                    log.warning("gateway.unresponsive", pid=pid)
+                    await self.stop()
         if not self.python.exists():
             raise Unavailable(f"egress gateway interpreter {self.python} is missing: run `make setup`")
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +179,7 @@ class GatewayProcess:
             )
         self.pid = proc.pid
         (self.work_dir / PIDFILE).write_text(str(proc.pid))
+        (self.work_dir / VERSIONFILE).write_text(version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
