@@ -88,7 +88,3 @@ class Egress:
         """Sandboxes whose secrets this agent no longer holds (it restarted): the control plane
         pushes them again."""
         return [sid for sid in sandbox_ids if sid not in self._secrets]
-
-    async def registered(self) -> set[str]:
-        reply = await self.gateway.client.call("list")
-        return {str(e.get("sandbox")) for e in reply.get("entries", [])}
