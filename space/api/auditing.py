@@ -195,8 +195,8 @@ class AuditMiddleware:
         try:
             app = scope.get("app")
             writer: AuditWriter | None = getattr(getattr(getattr(app, "state", None), "space", None), "audit", None)
-            if writer is None:
-                return
+            if writer is None or (scope.get("state") or {}).get("audited"):
+                return  # the handler's own record of the call is the audit (space.api.secrets)
             writer.record(build_record(scope, at, status, body, failure))
         except Exception as exc:  # the audit must never break a call
             log.error("audit.record_failed", error=repr(exc), path=scope.get("path"))

@@ -204,3 +204,22 @@ def test_sdk(server: Server, keys: dict[str, str]) -> None:
         assert c.secrets.list() == []
     with Client(server.url, keys["readonly"]) as ro, pytest.raises(Forbidden):
         ro.secrets.set("SDK", "v", hosts=["*"])
+
+
+def test_each_secret_change_is_audited_once(server: Server, member: httpx.Client, tenant: str) -> None:
+    """The credential manager's record is the audit of a secret change (and of a refusal); the
+    generic per-call record does not add a second row. A call refused before it reaches the manager
+    (a malformed body) still gets the generic one."""
+    name = "ONCE_" + secrets.token_hex(3).upper()
+    assert member.put(f"/v1/secrets/{name}", json={"value": value(), "hosts": ["api.example.com"]}).status_code == 201
+    assert member.put(f"/v1/secrets/{name}", json={"value": value(), "hosts": ["bad host"]}).status_code == 400
+    assert member.put(f"/v1/secrets/{name}", json={"value": 1, "hosts": "x"}).status_code == 422
+    assert member.delete(f"/v1/secrets/{name}").status_code == 204
+    with server.client() as admin:
+        records = admin.get("/v1/audit", params={"tenant": tenant, "target": name, "limit": 1000}).json()["records"]
+    # Sorted: the manager writes at once, the generic records go through a batching writer.
+    seen = sorted((r["action"], r["result"]) for r in records)
+    assert seen == [("secret.delete", "ok"), ("secret.set", "invalid_request"), ("secret.set", "ok"),
+                    ("secret.set", "validation_failed")], seen
+    ok = next(r for r in records if (r["action"], r["result"]) == ("secret.set", "ok"))
+    assert ok["details"].get("secret_id")  # the manager's record, not the generic one
