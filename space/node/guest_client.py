@@ -32,6 +32,12 @@ Header = dict[str, Any]
 ACK_EVERY = 256 * 1024
 #: Live events a subscriber may hold before it falls back to replaying from the guest's buffer.
 SUB_LIMIT = 16 << 20
+#: After ``exec`` the client keeps a command's output (unacked) this long for its first subscriber:
+#: output that comes before the caller's ``events`` call (a separate HTTP request for API clients)
+#: would otherwise be acked on arrival and could be evicted from a small guest buffer before the
+#: replay. The guest stops at its flow-control window meanwhile, which bounds what is kept; a command
+#: nobody subscribes to runs unattended once the grace ends.
+ATTACH_GRACE = 2.0
 READ_WINDOW = 8 << 20
 _CLOSED: Header = {"t": "closed"}
 
@@ -111,6 +117,9 @@ class _Cmd:
         self.arrived = 0  # end offset of the latest live output
         self.acked = 0
         self.exited = False
+        self.held: asyncio.TimerHandle | None = None  # the attach grace (see ATTACH_GRACE)
+        self.early: list[tuple[Header, bytes]] = []  # live events kept during the grace
+        self.early_bytes = 0
 
 
 class GuestStream:
@@ -244,6 +253,8 @@ class GuestConnection:
             p.finish(dict(_CLOSED))
         self._pending.clear()
         for cmd in self._cmds.values():
+            if cmd.held is not None:
+                cmd.held.cancel()
             for sub in cmd.subs:
                 sub.closed = True
                 sub.wakeup.set()
@@ -311,16 +322,27 @@ class GuestConnection:
                       timeout: float | None = 30.0, **args: Any) -> Header:
         """One request, one answer. Raises the :mod:`space.errors` class the guest's code names,
         :class:`~space.errors.Timeout` past ``timeout``, :class:`~space.errors.Unavailable` if the
-        channel closes."""
-        rid, p = self._start(op, args, payload, streaming=False)
+        channel closes. ``exec`` holds the command's acks for its first subscriber (ATTACH_GRACE)."""
+        held = args.get("cmd") if op == "exec" and isinstance(args.get("cmd"), str) else None
+        if held is not None:
+            self._hold(held, ATTACH_GRACE)
         try:
-            async with asyncio.timeout(timeout):
-                header = await p.fut
-        except TimeoutError:
-            raise errors.Timeout(f"guest did not answer {op} within {timeout}s") from None
-        finally:
-            self._pending.pop(rid, None)
-        return self._result(header)
+            rid, p = self._start(op, args, payload, streaming=False)
+            try:
+                async with asyncio.timeout(timeout):
+                    header = await p.fut
+            except TimeoutError:
+                raise errors.Timeout(f"guest did not answer {op} within {timeout}s") from None
+            finally:
+                self._pending.pop(rid, None)
+            return self._result(header)
+        except BaseException:
+            cmd = self._cmds.get(held) if held is not None else None
+            if held is not None and cmd is not None and not cmd.subs:
+                if cmd.held is not None:
+                    cmd.held.cancel()
+                del self._cmds[held]  # no command started (or we cannot know): nothing to hold
+            raise
 
     def stream(self, op: str, **args: Any) -> GuestStream:
         """Chunks of a request's answer; see :class:`GuestStream` (``.result`` has the ``res``)."""
@@ -370,10 +392,36 @@ class GuestConnection:
             cmd.exited = True
         for sub in cmd.subs:
             sub.push(header, payload)
+        if not cmd.subs and cmd.held is not None:
+            cmd.early.append((header, payload))
+            cmd.early_bytes += len(payload)
+            if cmd.early_bytes > SUB_LIMIT:  # the guest ignores its window (host was silent)
+                self._unhold(cid, cmd)
+            return
         if not cmd.subs:
             self._ack(cid, cmd, force=False)
             if cmd.exited:
                 del self._cmds[cid]
+
+    def _hold(self, cid: str, grace: float) -> None:
+        """Hold ``cid``'s acks for its first subscriber, at most ``grace`` seconds."""
+        cmd = self._cmds.get(cid)
+        if cmd is None:
+            cmd = self._cmds[cid] = _Cmd()
+        if cmd.held is not None:
+            cmd.held.cancel()
+        cmd.held = asyncio.get_running_loop().call_later(grace, self._unhold, cid, cmd)
+
+    def _unhold(self, cid: str, cmd: _Cmd) -> None:
+        if cmd.held is not None:
+            cmd.held.cancel()
+            cmd.held = None
+        cmd.early, cmd.early_bytes = [], 0
+        if self._cmds.get(cid) is not cmd or cmd.subs:
+            return
+        self._ack(cid, cmd, force=True)  # nobody came: run unattended from here
+        if cmd.exited:
+            del self._cmds[cid]
 
     def _ack(self, cid: str, cmd: _Cmd, *, force: bool) -> None:
         target = min(s.consumed for s in cmd.subs) if cmd.subs else cmd.arrived
@@ -390,6 +438,13 @@ class GuestConnection:
             state = self._cmds[cmd] = _Cmd()
         sub = _Sub()
         state.subs.add(sub)
+        early = state.early if after == 0 else []
+        if state.held is not None:
+            state.held.cancel()
+            state.held = None
+        state.early, state.early_bytes = [], 0
+        if [ev["seq"] for ev, _ in early] != list(range(1, len(early) + 1)):
+            early = []  # not the command's whole beginning: the guest's replay is the truth
         last = after
         last_off: int | None = 0 if after == 0 else None
 
@@ -401,6 +456,12 @@ class GuestConnection:
                 self._ack(cmd, state, force=queue_empty)
 
         try:
+            for held, data in early:  # what arrived before we subscribed, from the start
+                last = held["seq"]
+                yield held, data
+                if held.get("kind") == "exit":
+                    return
+                took(held, data, False)
             while True:
                 args: Header = {"cmd": cmd, "after": last}
                 if last_off is not None:

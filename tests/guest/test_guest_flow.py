@@ -6,6 +6,10 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
+
+from space import errors
+from space.node import guest_client
 from space.node.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest
 from tests.guest.test_guest_exec import cid, collect
@@ -61,7 +65,8 @@ async def test_events_after_skips_seen_events(conn: GuestConnection) -> None:
     assert later == evs[1:] and out.endswith(out2) and len(out2) < len(out)
 
 
-async def test_gap_with_tiny_buffer(conn: GuestConnection) -> None:
+async def test_gap_with_tiny_buffer(conn: GuestConnection, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guest_client, "ATTACH_GRACE", 0.0)  # nobody will subscribe in time
     c = cid()
     total = 300_000
     await conn.request("exec", cmd=c, argv=["head", "-c", str(total), "/dev/zero"], buffer_bytes=1024)
@@ -107,6 +112,37 @@ async def test_paused_consumer_loses_nothing(conn: GuestConnection) -> None:
     assert got == total
     assert all(e["kind"] != "gap" for e in evs)
     check_stream(evs)
+
+
+async def test_late_subscriber_within_attach_grace_loses_nothing(
+        conn: GuestConnection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output before the first subscriber (API clients subscribe in a second request) is held for
+    it: the guest stalls at its window instead of the client acking the output away."""
+    monkeypatch.setattr(guest_client, "ATTACH_GRACE", 60.0)
+    c = cid()
+    total = 24 * MiB
+    await conn.request("exec", cmd=c, argv=["head", "-c", str(total), "/dev/zero"], buffer_bytes=MiB)
+    info = await wait_for(conn, c, lambda i: i["unacked"] >= WINDOW)
+    assert info["state"] == "running" and info["out_bytes"] < total
+    evs, out, _ = await collect(conn, c)
+    assert all(e["kind"] != "gap" for e in evs) and len(out) == total
+    check_stream(evs)
+
+
+async def test_unattended_command_runs_on_after_attach_grace(
+        conn: GuestConnection, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guest_client, "ATTACH_GRACE", 0.2)
+    c = cid()
+    await conn.request("exec", cmd=c, argv=["head", "-c", str(3 * WINDOW), "/dev/zero"])
+    info = await wait_for(conn, c, lambda i: i["state"] == "exited", within=20)
+    assert info["exit_code"] == 0 and info["out_bytes"] == 3 * WINDOW
+
+
+async def test_failed_exec_leaves_no_hold(conn: GuestConnection) -> None:
+    c = cid()
+    with pytest.raises(errors.SpaceError):
+        await conn.request("exec", cmd=c, argv=["/no/such/binary"])
+    assert c not in conn._cmds
 
 
 async def test_two_subscribers_see_the_same_stream(conn: GuestConnection) -> None:
