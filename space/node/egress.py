@@ -32,10 +32,6 @@ class Egress:
         self.gateway = gateway
         self._secrets: dict[str, list[dict[str, Any]]] = {}
 
-    async def setup(self) -> None:
-        await self.network.setup()
-        await self.gateway.ensure()
-
     def ca_cert(self) -> bytes | None:
         """The deployment's egress CA certificate, which sandboxes trust for intercepted TLS."""
         try:

@@ -20,7 +20,9 @@ from space import guest as guest_pkg
 from space.node.app import create_node_app
 from space.node.egress import Egress
 from space.node.gateway import GatewayProcess
-from space.node.network import Network
+from space.node.helper.backend import InProcess, Privileged
+from space.node.helper.verbs import HelperContext
+from space.node.network import GatewayPorts, Network
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
@@ -132,8 +134,14 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     return pool, templates, manager, warm
 
 
+def node_privileged(data_dir: Path, cache_dir: Path) -> Privileged:
+    """How this agent runs privileged verbs: in this (root) process until the agent drops root."""
+    return InProcess(HelperContext(data_dir=data_dir, cache_dir=cache_dir,
+                                   gateway_ports=GatewayPorts().as_tuple()))
+
+
 def make_egress(settings: NodeSettings) -> Egress:
-    network = Network(settings.data_dir)
+    network = Network(settings.data_dir, node_privileged(settings.data_dir, settings.cache_dir))
     gateway = GatewayProcess(
         settings.data_dir / "gateway", channel_dir_for(settings.data_dir) / "gateway.sock",
         address="0.0.0.0", proxy_port=network.ports.proxy, transparent_port=network.ports.transparent,
@@ -147,6 +155,7 @@ async def start_egress(settings: NodeSettings) -> Egress:
     egress = make_egress(settings)
     await egress.network.setup()
     egress.gateway.address = egress.network.gateway_ip
+    egress.gateway.ports = egress.network.ports.as_tuple()
     await egress.gateway.ensure()
     return egress
 
@@ -232,7 +241,7 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
-    egress = make_egress(NodeSettings(data_dir=data_dir, socket=None, listen=None, token=""))
+    egress = make_egress(NodeSettings(data_dir=data_dir, cache_dir=cache_dir, socket=None, listen=None, token=""))
     await egress.gateway.stop()
     await egress.network.teardown()
     await pool.teardown()

@@ -1,0 +1,156 @@
+"""The registry of privileged verbs and the parsing of their arguments.
+
+A verb is an async function ``(ctx, args, call) -> dict`` registered with :func:`verb` under a
+dotted name, with the frozen dataclass its arguments parse into and a cap on its timeout. Parsing
+(:func:`parse_args`) is strict: unknown keys, missing keys, wrong JSON types and values outside a
+field's check are refused with ``invalid_request`` before the verb runs -- the same in-process and
+over RPC, so a test of a verb is a test of what the helper accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from space.errors import InvalidRequest
+
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+LineSink = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HelperContext:
+    """What the helper fixed at its start: every verb resolves names under these roots."""
+
+    data_dir: Path
+    cache_dir: Path
+    #: The btrfs pool's root (None: ``<data_dir>/pool``).
+    pool_root: Path | None = None
+    #: Ports of the node's egress gateway, as the nftables rules redirect to them.
+    gateway_ports: tuple[int, int, int] = (3128, 3129, 53)  # proxy, transparent, dns
+
+
+@dataclass
+class Call:
+    """One invocation: the fds passed with it (by role) and where a streaming verb's lines go."""
+
+    fds: Mapping[str, int] = field(default_factory=dict)
+    emit: LineSink | None = None
+
+    async def line(self, text: str) -> None:
+        if self.emit is not None:
+            await self.emit(text[:8192])
+
+
+A = TypeVar("A")
+VerbFn = Callable[[HelperContext, Any, Call], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Verb:
+    name: str
+    args: type
+    fn: VerbFn
+    cap: float  # seconds: the most a caller may ask for as its timeout
+    fds: tuple[str, ...] = ()  # roles of the fds it accepts
+    streaming: bool = False
+
+
+REGISTRY: dict[str, Verb] = {}
+
+
+def verb(name: str, args: type[A], *, cap: float, fds: tuple[str, ...] = (),
+         streaming: bool = False) -> Callable[[Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]],
+                                               Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]]:
+    def register(fn: Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]
+                 ) -> Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]:
+        if name in REGISTRY:
+            raise RuntimeError(f"verb {name} registered twice")
+        REGISTRY[name] = Verb(name, args, fn, cap, fds, streaming)
+        return fn
+    return register
+
+
+def lookup(name: str) -> Verb:
+    load_all()
+    found = REGISTRY.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise InvalidRequest(f"unknown privileged verb {name!r}", verb=str(name)[:64])
+    return found
+
+
+def load_all() -> None:
+    """Import every verb module (each registers itself)."""
+    from space.node.helper import verbs_net  # noqa: F401
+
+
+# -- argument parsing ---------------------------------------------------------------------------
+
+
+def check(pred: Callable[[Any], bool], what: str) -> Any:
+    """Field metadata: ``x: int = field(metadata=check(lambda v: 1 <= v <= 9, "1..9"))``."""
+    return {"check": (pred, what)}
+
+
+def is_id(value: str) -> bool:
+    return ID_RE.fullmatch(value) is not None
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str) and "\x00" not in value
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        return isinstance(value, list | tuple) and all(_matches(v, item) for v in value)
+    return False
+
+
+def parse_args(cls: type[A], raw: Any) -> A:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest("verb arguments must be an object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise InvalidRequest(f"unknown arguments: {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise InvalidRequest(f"argument {name!r} is required")
+            continue
+        value = raw[name]
+        if not _matches(value, hints[name]):
+            raise InvalidRequest(f"argument {name!r} has the wrong type")
+        if isinstance(value, list):
+            value = tuple(value)
+        checked = f.metadata.get("check")
+        if checked is not None and value is not None:
+            pred, what = checked
+            items = value if isinstance(value, tuple) else (value,)
+            if not all(pred(v) for v in items):
+                raise InvalidRequest(f"argument {name!r} must be {what}")
+        values[name] = value
+    return cls(**values)

@@ -1,0 +1,97 @@
+"""The helper's network verbs, in-process as root, against the host's real netns/nftables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from space.errors import InvalidRequest
+from space.node.helper.backend import InProcess
+from space.node.helper.verbs import HelperContext
+from space.node.helper.verbs_net import NETNS_DIR
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+async def priv(tmp_path: Path) -> AsyncIterator[InProcess]:
+    p = InProcess(HelperContext(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache",
+                                gateway_ports=(13128, 13129, 13053)))
+    (tmp_path / "data").mkdir()
+    try:
+        yield p
+    finally:
+        await p.call("net.teardown")
+
+
+async def test_setup_create_remove_teardown(priv: InProcess) -> None:
+    node = await priv.call("net.setup")
+    assert node["ports"] == {"proxy": 13128, "transparent": 13129, "dns": 13053}
+    table = f"space_{node['tag']}"
+    ruleset = sh("nft", "list", "table", "inet", table)
+    # DNS to any address is sent to the gateway's unprivileged DNS port.
+    assert f"udp dport 53 dnat ip to {node['gateway_ip']}:13053" in ruleset
+    assert f"{node['gateway_ip']}/32" in sh("ip", "-4", "addr", "show", "dev", "lo")
+    assert await priv.call("net.setup") == node  # idempotent, same slot
+
+    s = await priv.call("net.create", {"index": 7})
+    assert s["netns"] == f"{node['ns_prefix']}7" and (NETNS_DIR / s["netns"]).exists()
+    assert f"{s['sandbox_ip']}/30" in sh("ip", "-n", s["netns"], "-4", "addr", "show", "dev", "eth0")
+    assert await priv.call("net.create", {"index": 7}) == s  # idempotent
+    elements = sh("nft", "list", "set", "inet", table, "sandbox_src")
+    assert f"\"{s['host_if']}\" . {s['sandbox_ip']}" in elements
+
+    # A replaced table loses its elements; admit puts them back.
+    await priv.call("net.setup")
+    assert s["sandbox_ip"] not in sh("nft", "list", "set", "inet", table, "sandbox_src")
+    await priv.call("net.admit", {"indexes": [7]})
+    assert s["sandbox_ip"] in sh("nft", "list", "set", "inet", table, "sandbox_src")
+
+    sh("ip", "-n", s["netns"], "addr", "flush", "dev", "eth0")  # what runsc does to the link
+    await priv.call("net.prepare", {"index": 7})
+    assert f"{s['sandbox_ip']}/30" in sh("ip", "-n", s["netns"], "-4", "addr", "show", "dev", "eth0")
+
+    await priv.call("net.remove", {"index": 7})
+    await priv.call("net.remove", {"index": 7})  # idempotent
+    assert not (NETNS_DIR / s["netns"]).exists()
+    assert s["host_if"] not in sh("ip", "-o", "link")
+
+    await priv.call("net.create", {"index": 8})
+    removed = (await priv.call("net.teardown"))["removed"]
+    assert removed == [f"{node['ns_prefix']}8"]
+    assert sh("nft", "list", "table", "inet", table) == ""
+    assert f"{node['gateway_ip']}/32" not in sh("ip", "-4", "addr", "show", "dev", "lo")
+
+
+@pytest.mark.parametrize("verb,args", [
+    ("net.create", {"index": 0}),
+    ("net.create", {"index": 1024}),
+    ("net.create", {"index": "1"}),
+    ("net.create", {"index": True}),
+    ("net.create", {}),
+    ("net.create", {"index": 1, "netns": "/proc/1/ns/net"}),
+    ("net.admit", {"indexes": [1, -1]}),
+    ("net.setup", {"table": "filter"}),
+    ("net.run", {}),
+])
+async def test_bad_arguments_are_refused(priv: InProcess, verb: str, args: dict[str, Any]) -> None:
+    before = sh("ip", "-o", "link")
+    with pytest.raises(InvalidRequest):
+        await priv.call(verb, args)
+    assert sh("ip", "-o", "link") == before
+
+
+async def test_verbs_before_setup_are_a_conflict(priv: InProcess, tmp_path: Path) -> None:
+    from space.errors import Conflict
+    with pytest.raises(Conflict, match="net.setup first"):
+        await priv.call("net.create", {"index": 1})
+    assert not (tmp_path / "data" / "network.json").exists()
+    await priv.call("net.setup")
+    assert json.loads((tmp_path / "data" / "network.json").read_text())["slot"]
