@@ -31,13 +31,21 @@ fi
 
 apt_install btrfs-progs debootstrap iproute2 util-linux python3-venv ca-certificates \
   postgresql zstd procps gcc libc6-dev nftables acl
-if ! command -v runsc >/dev/null 2>&1 || ! runsc --version 2>/dev/null | grep -q 2024; then
+# (The version is captured first: `runsc --version | grep -q` under pipefail fails whenever grep
+# exits before runsc has written everything, which reinstalled runsc or ended this script early.)
+runsc_version="$(runsc --version 2>/dev/null || true)"
+if ! command -v runsc >/dev/null 2>&1 || [[ "$runsc_version" != *2024* ]]; then
   if [ "$need_update" -eq 0 ]; then apt-get update -qq; need_update=1; fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t trixie runsc
+  runsc_version="$(runsc --version)"
 fi
-runsc --version | head -n1
+echo "${runsc_version%%$'\n'*}"
 
 # `space serve` runs its API and controller as this system user once its node agent (root) is up.
 if ! getent passwd space >/dev/null; then
   useradd --system --user-group --no-create-home --shell /usr/sbin/nologin space
+fi
+# The node's egress gateway (it parses sandbox traffic and holds their secrets) runs as this one.
+if ! getent passwd space-gw >/dev/null; then
+  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin space-gw
 fi

@@ -1,4 +1,9 @@
-"""The node's control socket: a unix socket (mode 0600), newline-delimited JSON, one reply per request.
+"""The node's control socket: a unix socket (mode 0660), newline-delimited JSON, one reply per request.
+
+The socket is either bound here (``--control PATH``, optionally ``--control-group GID``) or, when the
+gateway runs as its own unprivileged user, bound by the node agent in a directory only the agent
+may enter and handed over already listening (``--control-fd N``): the gateway then needs no access
+to that directory, and it never decides who may connect.
 
     {"op":"put","ip","sandbox","tenant","policy","secrets":[...]}  → {"ok":true,"reset":n}
     {"op":"delete","ip"}                                            → {"ok":true,"existed":bool,"reset":n}
@@ -22,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -54,15 +60,25 @@ class ControlServer:
             "audit": self.op_audit, "ack": self.op_ack, "stats": self.op_stats,
         }
 
-    async def start(self, path: str) -> None:
+    async def start(self, path: str | None = None, *, sock: socket.socket | None = None,
+                    group: int | None = None) -> None:
+        """Serve on a listening unix socket handed over (``sock``), or bind ``path``: mode 0660,
+        group ``group`` (default: this process's), so the node agent's group may connect."""
+        if sock is not None:
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE)
+            return
+        if path is None:
+            raise ValueError("a control socket path or a listening socket is required")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        old = os.umask(0o177)  # never world- or group-accessible, not even for an instant
+        old = os.umask(0o177)  # never world- or group-accessible before its group is set
         try:
             self._server = await asyncio.start_unix_server(self._serve, path, limit=MAX_LINE)
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        if group is not None:
+            os.chown(path, -1, group)
+        os.chmod(path, 0o660)
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -1,10 +1,12 @@
 """Start the gateway: mitmproxy (explicit and, optionally, transparent proxy), DNS, control socket.
 
     python -m space.gateway --proxy 10.201.0.1:3128 [--transparent 10.201.0.1:3129]
-        --dns 10.201.0.1:53 --control /run/space/gateway.sock --confdir DIR --journal DIR
-        [--upstream-dns IP] [--hosts-file FILE] [--upstream-ca FILE]
+        --dns 10.201.0.1:3053 --control /run/space/gateway.sock [--control-fd N | --control-group GID]
+        --confdir DIR --journal DIR [--upstream-dns IP] [--hosts-file FILE] [--upstream-ca FILE]
 
-It runs in its own venv (``make gateway``: mitmproxy pins versions the main venv cannot share).
+It runs in its own venv (``make gateway``: mitmproxy pins versions the main venv cannot share), as
+its own unprivileged user when the node agent starts it (:mod:`space.node.gateway`): nothing here
+needs privileges, DNS included (it listens on a high port; nftables redirects the sandboxes' port 53).
 Prints one JSON ready line on stdout once everything listens; SIGTERM/SIGINT stop it cleanly.
 """
 
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -47,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--proxy", type=hostport, required=True, help="explicit HTTP proxy (absolute-form + CONNECT)")
     ap.add_argument("--transparent", type=hostport, help="TCP redirected here by nftables (SO_ORIGINAL_DST)")
     ap.add_argument("--dns", type=hostport, help="DNS server for the sandboxes (UDP and TCP)")
-    ap.add_argument("--control", required=True, help="unix socket path for the node (mode 0600)")
+    ap.add_argument("--control", required=True, help="unix socket path for the node (mode 0660)")
+    ap.add_argument("--control-fd", type=int,
+                    help="the control socket, bound and listening already (by the node agent): serve on it")
+    ap.add_argument("--control-group", type=int, help="group of the control socket bound here (default: ours)")
     ap.add_argument("--confdir", required=True, help="where the CA lives (mitmproxy's confdir)")
     ap.add_argument("--journal", required=True, help="audit journal directory")
     ap.add_argument("--upstream-dns", help="resolver to ask (default: the system's)")
@@ -100,7 +106,10 @@ async def amain(args: argparse.Namespace) -> None:
     if dns is not None:
         await dns.start(*args.dns)
     control = ControlServer(registry, journal, stats, conns, gateway, dns)
-    await control.start(args.control)
+    if args.control_fd is not None:
+        await control.start(sock=socket.socket(fileno=args.control_fd))
+    else:
+        await control.start(args.control, group=args.control_group)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,8 +143,9 @@ async def amain(args: argparse.Namespace) -> None:
             await dns.stop()
         await conns.close_all()
         await journal.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(args.control)
+        if args.control_fd is None:  # a socket handed over is its binder's to remove
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.control)
 
 
 def main(argv: list[str] | None = None) -> None:

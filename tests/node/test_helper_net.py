@@ -90,7 +90,7 @@ async def test_bad_arguments_are_refused(priv: InProcess, verb: str, args: dict[
 
 async def test_verbs_before_setup_are_a_conflict(priv: InProcess, tmp_path: Path) -> None:
     from space.errors import Conflict
-    with pytest.raises(Conflict, match="net.setup first"):
+    with pytest.raises(Conflict, match=r"net\.setup first"):
         await priv.call("net.create", {"index": 1})
     assert not (tmp_path / "data" / "network.json").exists()
     await priv.call("net.setup")
