@@ -122,8 +122,9 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
-    driver = GVisorDriver(settings.data_dir / "runsc")
-    egress = await start_egress(settings) if settings.network else None
+    priv = node_privileged(settings.data_dir, settings.cache_dir, pool.root)
+    driver = GVisorDriver(priv, pool.root)
+    egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(
         pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir),
         objects=objects, egress=egress,
@@ -134,14 +135,14 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     return pool, templates, manager, warm
 
 
-def node_privileged(data_dir: Path, cache_dir: Path) -> Privileged:
+def node_privileged(data_dir: Path, cache_dir: Path, pool_root: Path) -> Privileged:
     """How this agent runs privileged verbs: in this (root) process until the agent drops root."""
-    return InProcess(HelperContext(data_dir=data_dir, cache_dir=cache_dir,
-                                   gateway_ports=GatewayPorts().as_tuple()))
+    return InProcess(HelperContext(data_dir=data_dir, cache_dir=cache_dir, pool_root=pool_root,
+                                   guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple()))
 
 
-def make_egress(settings: NodeSettings) -> Egress:
-    network = Network(settings.data_dir, node_privileged(settings.data_dir, settings.cache_dir))
+def make_egress(settings: NodeSettings, priv: Privileged) -> Egress:
+    network = Network(settings.data_dir, priv)
     gateway = GatewayProcess(
         settings.data_dir / "gateway", channel_dir_for(settings.data_dir) / "gateway.sock",
         address="0.0.0.0", proxy_port=network.ports.proxy, transparent_port=network.ports.transparent,
@@ -151,8 +152,8 @@ def make_egress(settings: NodeSettings) -> Egress:
     return Egress(network, gateway)
 
 
-async def start_egress(settings: NodeSettings) -> Egress:
-    egress = make_egress(settings)
+async def start_egress(settings: NodeSettings, priv: Privileged) -> Egress:
+    egress = make_egress(settings, priv)
     await egress.network.setup()
     egress.gateway.address = egress.network.gateway_ip
     egress.gateway.ports = egress.network.ports.as_tuple()
@@ -230,7 +231,8 @@ async def register_node(settings: NodeSettings) -> None:
 async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:
     """Remove every sandbox of this node and release its pool (unmount, detach the loop device)."""
     pool = await Pool.open(data_dir)
-    driver = GVisorDriver(data_dir / "runsc")
+    priv = node_privileged(data_dir, cache_dir, pool.root)
+    driver = GVisorDriver(priv, pool.root)
     manager = SandboxManager(
         pool, TemplateStore(pool, cache_dir), driver, guest_dir=guest_dir(),
         channel_dir=channel_dir_for(data_dir),
@@ -241,7 +243,8 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
-    egress = make_egress(NodeSettings(data_dir=data_dir, cache_dir=cache_dir, socket=None, listen=None, token=""))
+    egress = make_egress(NodeSettings(data_dir=data_dir, cache_dir=cache_dir, socket=None, listen=None, token=""),
+                         priv)
     await egress.gateway.stop()
     await egress.network.teardown()
     await pool.teardown()

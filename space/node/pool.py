@@ -21,7 +21,6 @@ import contextlib
 import fcntl
 import os
 import re
-import shutil
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from pathlib import Path
 
 import structlog
 
-from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure
+from space.errors import InvalidPath, InvalidRequest, NotFound, RuntimeFailure
 from space.node import privileged
+from space.node.helper.backend import InProcess, Privileged
+from space.node.helper.verbs import HelperContext
 
 log = structlog.get_logger(__name__)
 
@@ -157,7 +158,11 @@ def check_name(value: str, what: str = "name") -> str:
 
 
 class Pool:
-    """One mounted btrfs filesystem; every path argument must lie inside :attr:`root`."""
+    """One mounted btrfs filesystem; every path argument must lie inside :attr:`root`.
+
+    Subvolume operations are privileged verbs (``subvol.*``, ``tree.*``) on the path relative to
+    the root, run through :attr:`priv`: in this process by default, or by the root helper.
+    """
 
     def __init__(
         self,
@@ -167,12 +172,15 @@ class Pool:
         data_dir: Path,
         image: Path | None = None,
         device: Path | None = None,
+        priv: Privileged | None = None,
     ) -> None:
         self.root = root
         self.kind = kind
         self.data_dir = data_dir
         self.image = image
         self.device = device
+        self.priv: Privileged = priv if priv is not None else InProcess(
+            HelperContext(data_dir=data_dir, cache_dir=Path("/var/cache/space"), pool_root=root))
 
     def __repr__(self) -> str:
         return f"Pool(root={str(self.root)!r}, kind={self.kind.value}, device={self.device})"
@@ -180,16 +188,20 @@ class Pool:
     # -- opening and closing -------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, data_dir: Path, *, size_gb: int = 64, device: Path | None = None) -> Pool:
+    async def open(cls, data_dir: Path, *, size_gb: int = 64, device: Path | None = None,
+                   priv: Privileged | None = None) -> Pool:
         """Adopt or set up the pool of ``data_dir`` (see the module docstring for the order).
 
         ``size_gb`` only sizes a new (sparse) loop file; an existing one is never resized. A device
-        or loop file is formatted only if it holds no filesystem at all.
+        or loop file is formatted only if it holds no filesystem at all. ``priv`` runs the
+        subvolume verbs (default: in this process).
         """
         data_dir = _absolute(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         async with file_lock(data_dir / "pool.lock"):
             pool = await cls._attach(data_dir, size_gb=size_gb, device=device)
+            if priv is not None:
+                pool.priv = priv
             for area in AREAS:
                 (pool.root / area).mkdir(exist_ok=True)
         log.info("pool.opened", root=str(pool.root), kind=pool.kind.value, device=str(pool.device))
@@ -240,7 +252,10 @@ class Pool:
                     base = self.root / area
                     if base.is_dir():
                         for child in sorted(base.iterdir()):
-                            await self.delete_subvolume(child)
+                            try:
+                                await self.delete_subvolume(child)
+                            except InvalidPath as exc:  # a name no verb accepts: not ours
+                                log.warning("pool.teardown_skipped", path=str(child), error=exc.message)
             if self.kind in (PoolKind.LOOP, PoolKind.DEVICE) and _mount_at(self.root) is not None:
                 await privileged.run("umount", str(self.root))
             if self.kind is PoolKind.LOOP and self.image is not None:
@@ -257,87 +272,38 @@ class Pool:
             raise InvalidPath(f"path is outside the pool: {path}", path=str(path))
         return norm
 
+    def _rel(self, path: Path) -> str:
+        """``path`` as the verbs name it; they refuse (InvalidPath) what is not a valid REL."""
+        return self._inside(path).relative_to(self.root).as_posix()
+
     async def create_subvolume(self, path: Path) -> None:
-        path = self._inside(path)
-        if path.exists():
-            raise Conflict(f"already exists: {path}", path=str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        await privileged.run("btrfs", "-q", "subvolume", "create", str(path))
+        """A new empty subvolume (missing parent directories are made); Conflict if taken."""
+        await self.priv.call("subvol.create", {"rel": self._rel(path)})
 
     async def snapshot(self, src: Path, dst: Path, *, readonly: bool = False) -> None:
-        src, dst = self._inside(src), self._inside(dst)
-        if not await self.is_subvolume(src):
-            raise InvalidPath(f"not a subvolume: {src}", path=str(src))
-        # An existing directory at dst would silently receive the snapshot *inside* it.
-        if dst.exists():
-            raise Conflict(f"already exists: {dst}", path=str(dst))
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        argv = ["btrfs", "-q", "subvolume", "snapshot", *(["-r"] if readonly else []), str(src), str(dst)]
-        await privileged.run(*argv)
+        """Snapshot subvolume ``src`` (else InvalidPath) to ``dst`` (Conflict if it exists)."""
+        rels = {"src": self._rel(src), "dst": self._rel(dst)}
+        await self.priv.call("subvol.snapshot", {**rels, "readonly": readonly})
 
     async def delete_subvolume(self, path: Path) -> None:
         """Delete ``path`` and every subvolume beneath it, deepest first.
 
         ``path`` may be a subvolume or a plain directory holding subvolumes (a sandbox dir with its
-        rootfs and snapshots/*), or a plain file; a missing path is not an error.
+        rootfs and snapshots/*), or a plain file; a missing path is not an error. Mounts left
+        beneath it are unmounted first.
         """
-        path = self._inside(path)
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            return
-        await _unmount_beneath(path)
-        if not stat.S_ISDIR(st.st_mode):
-            path.unlink(missing_ok=True)
-            return
-        if st.st_ino == _SUBVOLUME_INO:
-            children = await self._child_subvolumes(path)
-            if children and await self._is_readonly(path):
-                await self.set_readonly(path, False)  # a read-only parent cannot lose an entry
-            for child in children:
-                await self.delete_subvolume(child)
-            await privileged.run("btrfs", "-q", "subvolume", "delete", str(path))
-        else:
-            for sub in await asyncio.to_thread(_subvolumes_in_tree, path):
-                await self.delete_subvolume(sub)
-            await asyncio.to_thread(shutil.rmtree, path, ignore_errors=False)
+        await self.priv.call("tree.delete", {"rel": self._rel(path)})
         log.debug("pool.deleted", path=str(path))
 
-    async def _child_subvolumes(self, path: Path) -> list[Path]:
-        """Subvolumes directly nested in subvolume ``path``.
-
-        ``subvolume list`` names paths from the filesystem's top level, which need not be our mount
-        root, so they are re-based on the path ``subvolume show`` reports for ``path`` itself.
-        """
-        listing = await privileged.run("btrfs", "subvolume", "list", "-o", str(path))
-        rels = [line.split(" path ", 1)[1] for line in listing.text.splitlines() if " path " in line]
-        if not rels:
-            return []
-        shown = await privileged.run("btrfs", "subvolume", "show", str(path))
-        own = shown.text.splitlines()[0].strip().strip("/")
-        out = []
-        for rel in rels:
-            rel = rel.strip("/")
-            if own and rel.startswith(own + "/"):
-                rel = rel[len(own) + 1:]
-            elif own:
-                continue
-            out.append(path / rel)
-        # Deepest first, although `list -o` only reports direct children.
-        return sorted(out, key=lambda p: len(p.parts), reverse=True)
-
-    async def _is_readonly(self, path: Path) -> bool:
-        res = await privileged.run("btrfs", "property", "get", "-ts", str(path), "ro")
-        return res.text.strip() == "ro=true"
-
     async def set_readonly(self, path: Path, ro: bool = True) -> None:
-        path = self._inside(path)
-        await privileged.run("btrfs", "property", "set", "-ts", str(path), "ro", "true" if ro else "false")
+        await self.priv.call("subvol.set_readonly", {"rel": self._rel(path), "ro": ro})
 
     async def is_readonly(self, path: Path) -> bool:
-        return await self._is_readonly(self._inside(path))
+        res = await self.priv.call("subvol.is_readonly", {"rel": self._rel(path)})
+        return bool(res["readonly"])
 
     async def is_subvolume(self, path: Path) -> bool:
+        # Needs no privilege (lstat); the verbs re-check by fd wherever it matters.
         path = self._inside(path)
         try:
             st = path.lstat()
@@ -358,16 +324,12 @@ class Pool:
 
     async def exclusive_bytes(self, path: Path) -> int | None:
         """Bytes only ``path`` holds (not shared with its template or snapshots); None if unknown."""
-        path = self._inside(path)
-        res = await privileged.run("btrfs", "filesystem", "du", "-s", "--raw", str(path),
-                                   check=False, timeout=300)
-        lines = res.text.splitlines()
-        if res.returncode != 0 or len(lines) < 2:
-            return None
         try:
-            return int(lines[1].split()[1])
-        except (IndexError, ValueError):
+            res = await self.priv.call("subvol.du", {"rel": self._rel(path)})
+        except NotFound:
             return None
+        value = res.get("exclusive_bytes")
+        return value if isinstance(value, int) else None
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -418,45 +380,6 @@ async def _ensure_btrfs(source: Path) -> None:
                              device=str(source))
     await privileged.run("mkfs.btrfs", "-q", "-L", "space-pool", str(source), timeout=300)
     log.info("pool.formatted", device=str(source))
-
-
-async def _unmount_beneath(path: Path) -> None:
-    """Unmount whatever is mounted at or below ``path``, deepest first.
-
-    A killed debootstrap leaves its target's /proc and /sys mounted; a crashed runtime may leave
-    mounts in a sandbox dir. Either would make the delete fail with EBUSY and leak the mount.
-    """
-    prefix = str(path).rstrip("/") + "/"
-    for _ in range(100):  # stacked mounts come off one at a time
-        targets = [m.target for m in _mounts() if m.target == str(path) or m.target.startswith(prefix)]
-        if not targets:
-            return
-        target = max(targets, key=lambda t: t.count("/"))
-        res = await privileged.run("umount", target, check=False)
-        if res.returncode != 0:
-            # Still busy: detach it from the tree now; the kernel frees it when the last user goes.
-            await privileged.run("umount", "--lazy", target)
-        log.warning("pool.unmounted_leftover", target=target)
-    raise RuntimeFailure(f"cannot clear the mounts beneath {path}", path=str(path))
-
-
-def _subvolumes_in_tree(top: Path) -> list[Path]:
-    """Subvolumes under plain directory ``top``, without descending into any subvolume."""
-    found: list[Path] = []
-    for dirpath, dirnames, _ in os.walk(top):
-        keep = []
-        for d in dirnames:
-            p = Path(dirpath) / d
-            try:
-                st = p.lstat()
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode) and st.st_ino == _SUBVOLUME_INO:
-                found.append(p)
-            else:
-                keep.append(d)
-        dirnames[:] = keep
-    return found
 
 
 def _absolute(path: Path) -> Path:

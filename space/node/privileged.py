@@ -75,11 +75,13 @@ async def run(
     timeout: float = 60,
     check: bool = True,
     env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Result:
     """Run ``argv`` to completion and capture its output.
 
     With ``check`` a non-zero exit raises RuntimeFailure; without it the caller inspects
     ``returncode`` (used for probes such as ``blkid``, whose exit code is the answer).
+    ``pass_fds`` are inherited by the command under the same numbers (``/proc/self/fd/N``).
     """
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -89,6 +91,7 @@ async def run(
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
         env=_env(env),
+        pass_fds=tuple(pass_fds),
     )
     try:
         async with asyncio.timeout(timeout):

@@ -318,6 +318,7 @@ class SandboxManager:
             hostname=sb.id[:12],
             cpu_shares=WARM_CPU_SHARES if sb.warm else None,
             netns=net.netns_path if net is not None else None,
+            net_index=net.index if net is not None else None,
         )
         try:
             if image is None:

@@ -28,6 +28,8 @@ class InstanceSpec:
     cpu_shares: int | None = None
     #: Network namespace to run in (its ``eth0`` becomes the guest's only link); None: loopback only.
     netns: Path | None = None
+    #: The node's index of that namespace (how the root helper names it).
+    net_index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

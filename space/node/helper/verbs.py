@@ -33,6 +33,21 @@ class HelperContext:
     cache_dir: Path
     #: The btrfs pool's root (None: ``<data_dir>/pool``).
     pool_root: Path | None = None
+    #: The guest daemon's directory, bind-mounted read-only into every sandbox (None: the package's).
+    guest_dir: Path | None = None
+    runsc: str = "runsc"
+    platform: str = "systrap"
+
+    @property
+    def pool(self) -> Path:
+        return self.pool_root or self.data_dir / "pool"
+
+    @property
+    def guest(self) -> Path:
+        if self.guest_dir is not None:
+            return self.guest_dir
+        from space import guest
+        return Path(guest.__file__).resolve().parent
     #: Ports of the node's egress gateway, as the nftables rules redirect to them.
     gateway_ports: tuple[int, int, int] = (3128, 3129, 53)  # proxy, transparent, dns
 
@@ -88,7 +103,7 @@ def lookup(name: str) -> Verb:
 
 def load_all() -> None:
     """Import every verb module (each registers itself)."""
-    from space.node.helper import verbs_net  # noqa: F401
+    from space.node.helper import verbs_net, verbs_pool, verbs_runtime  # noqa: F401
 
 
 # -- argument parsing ---------------------------------------------------------------------------

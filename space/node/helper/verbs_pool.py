@@ -1,0 +1,345 @@
+"""Pool verbs: subvolumes and trees of the btrfs pool, named by ``REL`` and acted on by fd.
+
+Every verb opens the pool root, resolves its ``REL`` arguments under it (:mod:`.confine`) and
+mutates through btrfs ioctls and ``*at`` calls (:mod:`.btrfs_ioctl`), so neither a symlink nor a
+mount planted in the agent-owned part of the pool can redirect a root operation outside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from space.errors import Conflict, InvalidPath, NotFound, RuntimeFailure
+from space.node import privileged
+from space.node.helper import btrfs_ioctl as ioc
+from space.node.helper.confine import (
+    CONFINED,
+    PoolRoot,
+    Resolved,
+    mount_id_of,
+    openat2,
+    parse_rel,
+    umount_fd,
+)
+from space.node.helper.verbs import Call, HelperContext, verb
+
+log = structlog.get_logger(__name__)
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class RelArgs:
+    rel: str
+
+
+@dataclass(frozen=True)
+class SnapshotArgs:
+    src: str
+    dst: str
+    readonly: bool = False
+
+
+@dataclass(frozen=True)
+class ReadonlyArgs:
+    rel: str
+    ro: bool = True
+
+
+def pool_root_of(ctx: HelperContext) -> Path:
+    return ctx.pool_root if ctx.pool_root is not None else ctx.data_dir / "pool"
+
+
+def _os_failure(exc: OSError, what: str, rel: str) -> Exception:
+    if exc.errno == errno.EEXIST:
+        return Conflict(f"already exists: {rel}", path=rel)
+    if exc.errno == errno.ENOENT:
+        return NotFound(f"no such pool path: {rel}", path=rel)
+    return RuntimeFailure(f"{what} {rel}: {os.strerror(exc.errno or 0)}", path=rel,
+                          errno=errno.errorcode.get(exc.errno or 0, str(exc.errno)))
+
+
+def _open_subvolume(r: Resolved) -> int:
+    """The subvolume at ``r``, open for ioctls; NotFound or InvalidPath (not a subvolume)."""
+    fd = r.open()
+    try:
+        if os.fstat(fd).st_ino != ioc.SUBVOLUME_INO:
+            raise InvalidPath(f"not a subvolume: {r.rel}", path=r.rel)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- create / snapshot / flags --------------------------------------------------------------------
+
+
+def _create(root: Path, rel: str) -> None:
+    with PoolRoot.open(root) as pool, pool.resolve(rel, create_parents=True) as r:
+        if r.lstat() is not None:
+            raise Conflict(f"already exists: {rel}", path=rel)
+        try:
+            ioc.subvol_create(r.parent_fd, r.name)
+        except OSError as exc:
+            raise _os_failure(exc, "cannot create subvolume", rel) from None
+
+
+@verb("subvol.create", RelArgs, cap=60)
+async def subvol_create(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    await asyncio.to_thread(_create, pool_root_of(ctx), args.rel)
+    return {}
+
+
+def _snapshot(root: Path, src: str, dst: str, readonly: bool) -> None:
+    with PoolRoot.open(root) as pool:
+        try:
+            with pool.resolve(src) as s:
+                src_fd = _open_subvolume(s)
+        except NotFound:
+            # As before the split: a missing source is "not a subvolume", not a missing resource.
+            raise InvalidPath(f"not a subvolume: {src}", path=src) from None
+        try:
+            with pool.resolve(dst, create_parents=True) as d:
+                # An existing directory at dst would not receive the snapshot *inside* it (the
+                # ioctl takes a name), but dst must be exactly the new subvolume: refuse.
+                if d.lstat() is not None:
+                    raise Conflict(f"already exists: {dst}", path=dst)
+                try:
+                    ioc.snapshot(src_fd, d.parent_fd, d.name, readonly=readonly)
+                except OSError as exc:
+                    if exc.errno == errno.EXDEV:
+                        raise InvalidPath(f"{src} and {dst} are on different filesystems", path=dst) from None
+                    raise _os_failure(exc, "cannot snapshot to", dst) from None
+        finally:
+            os.close(src_fd)
+
+
+@verb("subvol.snapshot", SnapshotArgs, cap=60)
+async def subvol_snapshot(ctx: HelperContext, args: SnapshotArgs, call: Call) -> dict[str, Any]:
+    await asyncio.to_thread(_snapshot, pool_root_of(ctx), args.src, args.dst, args.readonly)
+    return {}
+
+
+def _flags(root: Path, rel: str, ro: bool | None) -> bool:
+    with PoolRoot.open(root) as pool, pool.resolve(rel) as r:
+        fd = _open_subvolume(r)
+        try:
+            if ro is not None:
+                ioc.set_readonly(fd, ro)
+            return ioc.is_readonly(fd)
+        except OSError as exc:
+            raise _os_failure(exc, "cannot change the flags of", rel) from None
+        finally:
+            os.close(fd)
+
+
+@verb("subvol.set_readonly", ReadonlyArgs, cap=60)
+async def subvol_set_readonly(ctx: HelperContext, args: ReadonlyArgs, call: Call) -> dict[str, Any]:
+    return {"readonly": await asyncio.to_thread(_flags, pool_root_of(ctx), args.rel, args.ro)}
+
+
+@verb("subvol.is_readonly", RelArgs, cap=30)
+async def subvol_is_readonly(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    return {"readonly": await asyncio.to_thread(_flags, pool_root_of(ctx), args.rel, None)}
+
+
+# -- tree.delete ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MountEntry:
+    mount_id: int
+    target: str
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), value)
+
+
+def _mountinfo() -> list[_MountEntry]:
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" - ", 1)[0].split()
+        out.append(_MountEntry(int(fields[0]), _unescape(fields[4])))
+    return out
+
+
+def _unmount_beneath(pool: PoolRoot, path: str) -> None:
+    """Unmount whatever is mounted at or below ``path``, deepest first.
+
+    A killed debootstrap leaves its target's /proc mounted; a crashed runtime may leave mounts in
+    a sandbox dir; either would make the delete fail. Each mount is reached through a confined
+    open of its mount point and unmounted through that fd, after checking (by mount id) that the
+    fd is on that very mount, so no path string is walked as root. Holding the fd makes the mount
+    busy by definition, so it is always a lazy detach: gone from the tree at once, freed by the
+    kernel when its last user (a leftover process, or our fd) goes.
+    """
+    prefix = path.rstrip("/") + "/"
+    for _ in range(100):  # stacked mounts come off one at a time
+        mounts = _mountinfo()
+        beneath = [m for m in mounts if m.target == path or m.target.startswith(prefix)]
+        if not beneath:
+            return
+        target = max(beneath, key=lambda m: m.target.count("/")).target
+        ids = {m.mount_id for m in beneath if m.target == target}
+        fd = pool.open_mount_root(target)
+        if fd is None:
+            raise RuntimeFailure(f"cannot reach the mount at {target}", path=target)
+        try:
+            if mount_id_of(fd) not in ids:
+                raise RuntimeFailure(f"{target} is not the mount point it was listed as", path=target)
+            umount_fd(fd, lazy=True)
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot unmount {target}: {os.strerror(exc.errno or 0)}", path=target) from None
+        finally:
+            os.close(fd)
+        log.warning("pool.unmounted_leftover", target=target)
+    raise RuntimeFailure(f"cannot clear the mounts beneath {path}", path=path)
+
+
+def _open_dir(parent_fd: int, name: str) -> int:
+    return openat2(parent_fd, name, _DIR, CONFINED)
+
+
+def _walk_for_subvolumes(fd: int) -> list[tuple[str, str]]:
+    """Subvolumes beneath directory ``fd`` as *(dir path, name)*, by walking: never descends into
+    one, never follows a symlink, never crosses a mount (each directory is opened confined). Only
+    for kernels without the root-ref ioctls (before 4.18)."""
+    found: list[tuple[str, str]] = []
+
+    def walk(dir_fd: int, at: str) -> None:
+        for entry in list(os.scandir(dir_fd)):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_ino == ioc.SUBVOLUME_INO:
+                found.append((at, entry.name))
+                continue
+            child = _open_dir(dir_fd, entry.name)
+            try:
+                walk(child, f"{at}/{entry.name}" if at else entry.name)
+            finally:
+                os.close(child)
+
+    walk(fd, "")
+    return found
+
+
+def _nested_subvolumes(fd: int) -> list[tuple[str, str]]:
+    try:
+        return ioc.child_subvolumes(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        return _walk_for_subvolumes(fd)
+
+
+def _destroy_subvolume(parent_fd: int, name: str) -> None:
+    """Delete subvolume ``name`` of ``parent_fd`` and every subvolume nested in it, deepest first."""
+    fd = _open_dir(parent_fd, name)
+    try:
+        nested = _nested_subvolumes(fd)
+        if nested and ioc.is_readonly(fd):
+            ioc.set_readonly(fd, False)  # a read-only subvolume cannot lose an entry
+        for where, child in nested:
+            # The kernel named it; reach it again confined and make sure it still is a subvolume.
+            holder = openat2(fd, where or ".", _DIR, CONFINED)
+            try:
+                if os.stat(child, dir_fd=holder, follow_symlinks=False).st_ino != ioc.SUBVOLUME_INO:
+                    raise OSError(errno.EXDEV, f"{where}/{child} is no longer a subvolume")
+                _destroy_subvolume(holder, child)
+            finally:
+                os.close(holder)
+    finally:
+        os.close(fd)
+    # Root may delete a read-only subvolume as is (checked on 6.18: no flag change needed).
+    ioc.destroy(parent_fd, name)
+
+
+def _remove_plain_dir(parent_fd: int, name: str) -> None:
+    """Remove plain directory ``name`` of ``parent_fd``: subvolumes in it through the ioctl, all
+    else with unlinkat/rmdir by dir fd."""
+    fd = _open_dir(parent_fd, name)
+    try:
+        for entry in list(os.scandir(fd)):
+            if entry.is_dir(follow_symlinks=False):
+                if entry.stat(follow_symlinks=False).st_ino == ioc.SUBVOLUME_INO:
+                    _destroy_subvolume(fd, entry.name)
+                else:
+                    _remove_plain_dir(fd, entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+def _delete(root: Path, rel: str) -> None:
+    parts = parse_rel(rel)
+    with PoolRoot.open(root) as pool:
+        try:
+            parent = pool.open_dir(parts[:-1], what=rel)
+        except NotFound:
+            return  # a missing path is not an error
+        try:
+            _delete_at(pool, Resolved(parent, parts[-1], rel))
+        finally:
+            os.close(parent)
+    log.debug("pool.deleted", rel=rel)
+
+
+def _delete_at(pool: PoolRoot, r: Resolved) -> None:
+    if r.lstat() is None:
+        return
+    _unmount_beneath(pool, r.host_path())
+    st = r.lstat()
+    if st is None:
+        return
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(r.name, dir_fd=r.parent_fd)  # a symlink is removed, never followed
+        elif st.st_ino == ioc.SUBVOLUME_INO:
+            _destroy_subvolume(r.parent_fd, r.name)
+        else:
+            _remove_plain_dir(r.parent_fd, r.name)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EXDEV):
+            raise InvalidPath(f"a link or mount appeared beneath {r.rel} while deleting it", path=r.rel) from None
+        raise _os_failure(exc, "cannot delete", r.rel) from None
+
+
+@verb("tree.delete", RelArgs, cap=600)
+async def tree_delete(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    await asyncio.to_thread(_delete, pool_root_of(ctx), args.rel)
+    return {}
+
+
+# -- accounting -----------------------------------------------------------------------------------
+
+
+@verb("subvol.du", RelArgs, cap=300)
+async def subvol_du(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    """Bytes only ``rel`` holds (``btrfs filesystem du``'s exclusive column); None if unknown."""
+    with PoolRoot.open(pool_root_of(ctx)) as pool, pool.resolve(args.rel) as r:
+        fd = r.open()
+    try:
+        # du walks by path strings, so it gets the fd's magic link: it stays on what we resolved.
+        res = await privileged.run("btrfs", "filesystem", "du", "-s", "--raw", f"/proc/self/fd/{fd}",
+                                   check=False, timeout=300, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    lines = res.text.splitlines()
+    if res.returncode != 0 or len(lines) < 2:
+        return {"exclusive_bytes": None}
+    try:
+        return {"exclusive_bytes": int(lines[1].split()[1])}
+    except (IndexError, ValueError):
+        return {"exclusive_bytes": None}

@@ -1,0 +1,328 @@
+"""Privileged runtime verbs: ``runsc`` run/restore/pause/resume/checkpoint/kill/delete/state/list.
+
+The helper, not its caller, writes the OCI spec a sandbox runs with (``space.runtime.oci``): the
+caller gives scalars -- sandbox and instance ids, CPU, memory, a network index, a snapshot to
+restore -- and the helper derives the root, the guest mount, the network namespace and the cgroup
+from them, so no caller can make runsc bind-mount a host path into a sandbox or join a foreign
+namespace. Bundles live in ``<data>/bundles/<instance>`` (root only). Every verb on an existing
+instance needs its exact id on disk (runsc would otherwise accept a unique prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from space.errors import Conflict, InsufficientStorage, InvalidPath, InvalidRequest, NotFound, RuntimeFailure
+from space.node import privileged
+from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
+from space.node.helper.verbs_net import MAX_INDEX, NodeNet
+from space.runtime.base import InstanceSpec
+from space.runtime.oci import build_spec
+
+log = structlog.get_logger(__name__)
+
+INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}-[a-z0-9]{5}")
+#: runsc 20240729 refuses --network=sandbox in any namespace on this kernel: its "root network
+#: namespace" test looks for a file under /proc/sys/net that newer kernels show in every namespace
+#: (gVisor #10704). A private mount namespace with an empty read-only /proc/sys/net hides it from
+#: the runsc process that sets the sandbox up (RUNTIME_NOTES); the sandbox itself is unaffected.
+NETSTACK_WRAPPER = (
+    "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    'mount -t tmpfs -o ro,size=4k tmpfs /proc/sys/net && exec "$@"', "runsc-netstack",
+)
+#: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
+FREEZER = Path("/sys/fs/cgroup/freezer/space")
+_SUBVOLUME_INO = 256
+
+
+def is_instance(value: str) -> bool:
+    return INSTANCE_RE.fullmatch(value) is not None
+
+
+class Runsc:
+    """runsc with the node's fixed global flags (a restore with other flags returns 0 and the
+    sandbox then dies: RUNTIME_NOTES)."""
+
+    def __init__(self, ctx: HelperContext) -> None:
+        self.root = ctx.data_dir / "runsc"
+        self.bundles = ctx.data_dir / "bundles"
+        self.argv0 = ctx.runsc
+        self.flags = [f"--root={self.root}", f"--platform={ctx.platform}",
+                      # keeps guest writes in the btrfs root, so snapshots see them
+                      "--overlay2=none",
+                      # the guest gets gVisor's own network stack on its namespace's link
+                      "--network=sandbox"]
+
+    def cmd(self, *args: str) -> list[str]:
+        return [self.argv0, *self.flags, *args]
+
+    def known(self) -> set[str]:
+        """Container ids runsc keeps state for under our root (``<sandbox>_sandbox:<id>.state``)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return set()
+        return {n.removesuffix(".state").partition("_sandbox:")[2] for n in names
+                if n.endswith(".state") and "_sandbox:" in n}
+
+    def exists(self, instance: str) -> bool:
+        return (self.root / f"{instance}_sandbox:{instance}.state").exists()
+
+    def recorded_status(self, instance: str) -> str:
+        try:
+            return str(json.loads((self.root / f"{instance}_sandbox:{instance}.state").read_text())
+                       .get("status") or "running")
+        except (OSError, ValueError):
+            return "running"
+
+
+def frozen(instance: str) -> bool:
+    try:
+        return (FREEZER / instance / "freezer.state").read_text().strip() != "THAWED"
+    except OSError:
+        return False
+
+
+def _has_processes(instance: str) -> bool:
+    try:
+        return bool((FREEZER / instance / "cgroup.procs").read_text().strip())
+    except OSError:
+        return False
+
+
+def _thaw(instance: str) -> None:
+    with contextlib.suppress(OSError):
+        (FREEZER / instance / "freezer.state").write_text("THAWED")
+
+
+def _resolve(base: Path, *parts: str, subvolume: bool = False) -> Path:
+    """``base/parts...`` walked one component at a time without following a symlink: every
+    component must be a real directory (the last a subvolume root when asked)."""
+    fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                raise NotFound(f"{'/'.join(parts)} does not exist in the pool") from None
+            except (NotADirectoryError, OSError):
+                raise InvalidPath(f"{'/'.join(parts)}: {part} is not a directory") from None
+            os.close(fd)
+            fd = nxt
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or (subvolume and st.st_ino != _SUBVOLUME_INO):
+            raise InvalidPath(f"{'/'.join(parts)} is not a subvolume")
+    finally:
+        os.close(fd)
+    return base.joinpath(*parts)
+
+
+def _existing(r: Runsc, instance: str) -> None:
+    if not r.exists(instance):
+        raise NotFound(f"runtime instance {instance} not found", instance=instance)
+
+
+@dataclass(frozen=True)
+class InstanceArgs:
+    instance: str = field(metadata=check(is_instance, "an instance id"))
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    kind: str = field(metadata=check(lambda v: v in ("run", "restore"), "run or restore"))
+    sandbox: str = field(metadata=check(is_id, "a sandbox id"))
+    instance: str = field(metadata=check(is_instance, "an instance id"))
+    cpu: float = field(metadata=check(lambda v: 0.01 <= v <= 64, "0.01..64"))
+    memory_mb: int = field(metadata=check(lambda v: 64 <= v <= 1 << 20, "64..1048576"))
+    cpu_shares: int | None = field(default=None, metadata=check(lambda v: 2 <= v <= 262144, "2..262144"))
+    net: int | None = field(default=None, metadata=check(lambda v: 1 <= v <= MAX_INDEX, f"1..{MAX_INDEX}"))
+    #: restore: the snapshot whose memory image to restore (``sandboxes/<sandbox>/snapshots/<snapshot>``)
+    image_sandbox: str | None = field(default=None, metadata=check(is_id, "a sandbox id"))
+    image_snapshot: str | None = field(default=None, metadata=check(is_id, "a snapshot id"))
+
+
+@verb("runtime.launch", LaunchArgs, cap=300, fds=("stdin", "stdout", "stderr"))
+async def runtime_launch(ctx: HelperContext, a: LaunchArgs, call: Call) -> dict[str, Any]:
+    """Boot (``run``) or restore an instance of ``sandbox`` over its root, the guest's pipes and log
+    as the passed fds; it lives on in runsc's own sessions."""
+    r = Runsc(ctx)
+    if not a.instance.startswith(a.sandbox + "-"):
+        raise Conflict(f"instance {a.instance} is not one of sandbox {a.sandbox}")
+    if any(k == a.instance or k.startswith(a.instance) or a.instance.startswith(k) for k in r.known()):
+        raise Conflict(f"instance id {a.instance} collides with an existing one", instance=a.instance)
+    if set(call.fds) != {"stdin", "stdout", "stderr"}:
+        raise InvalidRequest("runtime.launch needs the fds stdin, stdout and stderr")
+    restore = a.kind == "restore"
+    if restore != (a.image_sandbox is not None and a.image_snapshot is not None):
+        raise InvalidRequest("a restore and only a restore names its image (image_sandbox, image_snapshot)")
+    rootfs = _resolve(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)
+    extra: list[str] = []
+    if restore:
+        assert a.image_sandbox is not None and a.image_snapshot is not None
+        image = _resolve(ctx.pool, "sandboxes", a.image_sandbox, "snapshots", a.image_snapshot, "checkpoint")
+        extra = ["--image-path", str(image)]
+    netns = Path(f"/var/run/netns/{NodeNet(ctx).sandbox(a.net)['netns']}") if a.net is not None else None
+    r.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    r.bundles.mkdir(mode=0o700, exist_ok=True)
+    bundle = r.bundles / a.instance
+    shutil.rmtree(bundle, ignore_errors=True)
+    bundle.mkdir(mode=0o700)
+    spec = InstanceSpec(sandbox_id=a.sandbox, instance_id=a.instance, rootfs=rootfs, workdir=bundle,
+                        guest_dir=ctx.guest, channel_dir=bundle, cpu=a.cpu, memory_mb=a.memory_mb,
+                        hostname=a.sandbox[:12], cpu_shares=a.cpu_shares, netns=netns)
+    (bundle / "config.json").write_text(json.dumps(build_spec(spec)))
+    argv = [*NETSTACK_WRAPPER, *r.cmd(a.kind, "--detach", *extra, "--bundle", str(bundle),
+                                        "--pid-file", str(bundle / "sandbox.pid"), a.instance)]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=call.fds["stdin"], stdout=call.fds["stdout"], stderr=call.fds["stderr"],
+        start_new_session=True)
+    try:
+        rc = await proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        await asyncio.shield(_delete(r, a.instance))
+        raise
+    if rc != 0:
+        # A failed restore can leave a half-made container behind: never leave it.
+        await _delete(r, a.instance)
+        raise RuntimeFailure(f"runsc {a.kind} failed (exit {rc})", instance=a.instance, returncode=rc)
+    pid = (bundle / "sandbox.pid").read_text().strip()
+    return {"instance": a.instance, "sandbox_pid": int(pid) if pid.isdigit() else None}
+
+
+async def _delete(r: Runsc, instance: str) -> int:
+    res = await privileged.run(*r.cmd("delete", "--force", instance), check=False, timeout=60)
+    shutil.rmtree(r.bundles / instance, ignore_errors=True)
+    return res.returncode
+
+
+@verb("runtime.pause", InstanceArgs, cap=60)
+async def runtime_pause(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
+    r = Runsc(ctx)
+    _existing(r, a.instance)
+    await privileged.run(*r.cmd("pause", a.instance), timeout=60)
+    return {}
+
+
+@verb("runtime.resume", InstanceArgs, cap=60)
+async def runtime_resume(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
+    r = Runsc(ctx)
+    _existing(r, a.instance)
+    await privileged.run(*r.cmd("resume", a.instance), timeout=60)
+    return {}
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    instance: str = field(metadata=check(is_instance, "an instance id"))
+    sandbox: str = field(metadata=check(is_id, "a sandbox id"))
+    snapshot: str = field(metadata=check(is_id, "a snapshot id"))
+
+
+@verb("runtime.checkpoint", CheckpointArgs, cap=1800)
+async def runtime_checkpoint(ctx: HelperContext, a: CheckpointArgs, call: Call) -> dict[str, Any]:
+    """The instance's memory into ``sandboxes/<sandbox>/snapshots/<snapshot>/checkpoint``, leaving
+    it as it was: a failed ``--leave-running`` checkpoint leaves the sandbox alive (RUNTIME_NOTES);
+    a plain one would kill it. The caller thaws a frozen instance first."""
+    r = Runsc(ctx)
+    _existing(r, a.instance)
+    if not a.instance.startswith(a.sandbox + "-"):
+        raise Conflict(f"instance {a.instance} is not one of sandbox {a.sandbox}")
+    snap = _resolve(ctx.pool, "sandboxes", a.sandbox, "snapshots", a.snapshot)
+    image = snap / "checkpoint"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(image, 0o750)
+    _resolve(snap, "checkpoint")  # a real directory, not something planted there
+    try:
+        await privileged.run(*r.cmd("checkpoint", "--leave-running", "--image-path", str(image), a.instance),
+                             timeout=1800)
+    except RuntimeFailure as exc:
+        if "no space left" in f"{exc.message} {exc.details.get('stderr', '')}".lower():
+            raise InsufficientStorage(f"no room in the pool for the memory image of {a.instance}",
+                                      instance=a.instance) from None
+        raise
+    return {}
+
+
+@verb("runtime.kill", InstanceArgs, cap=30)
+async def runtime_kill(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
+    """Kill every process of the instance now; idempotent."""
+    r = Runsc(ctx)
+    if r.exists(a.instance):
+        _thaw(a.instance)  # a frozen sentry cannot take the kill
+        await privileged.run(*r.cmd("kill", "--all", a.instance, "KILL"), check=False, timeout=30)
+    return {}
+
+
+@verb("runtime.delete", InstanceArgs, cap=90)
+async def runtime_delete(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
+    """Kill and remove the instance and its bundle; idempotent (a missing one is not an error)."""
+    r = Runsc(ctx)
+    if not r.exists(a.instance):
+        shutil.rmtree(r.bundles / a.instance, ignore_errors=True)
+        return {"deleted": False}
+    _thaw(a.instance)
+    await privileged.run(*r.cmd("kill", "--all", a.instance, "KILL"), check=False, timeout=30)
+    if await _delete(r, a.instance) != 0 and await _state(r, a.instance) is not None:
+        raise RuntimeFailure(f"runsc delete of {a.instance} failed", instance=a.instance)
+    return {"deleted": True}
+
+
+async def _state(r: Runsc, instance: str) -> str | None:
+    if not r.exists(instance):
+        return None
+    if frozen(instance):
+        # `runsc state` asks the sandbox, and a frozen one cannot answer: its cgroup says whether
+        # it lives, and runsc's own record whether it was paused (or is a warm one).
+        return r.recorded_status(instance) if _has_processes(instance) else None
+    res = await privileged.run(*r.cmd("state", instance), check=False, timeout=30)
+    if res.returncode != 0:
+        return None
+    try:
+        return str(json.loads(res.text).get("status", "unknown"))
+    except ValueError:
+        return "unknown"
+
+
+@verb("runtime.state", InstanceArgs, cap=30)
+async def runtime_state(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
+    return {"status": await _state(Runsc(ctx), a.instance)}
+
+
+@dataclass(frozen=True)
+class NoArgs:
+    pass
+
+
+@verb("runtime.list", NoArgs, cap=60)
+async def runtime_list(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
+    r = Runsc(ctx)
+    known = r.known()
+    if any(frozen(i) for i in known):
+        # `runsc list` would wait on the frozen ones forever: ask one by one instead.
+        out = {}
+        for i in sorted(known):
+            st = await _state(r, i)
+            if st is not None:
+                out[i] = st
+        return {"instances": out}
+    res = await privileged.run(*r.cmd("list", "--format=json"), check=False, timeout=30)
+    if res.returncode != 0 or not res.text.strip():
+        return {"instances": {}}
+    try:
+        items = json.loads(res.text) or []
+    except ValueError:
+        return {"instances": {}}
+    return {"instances": {str(i["id"]): str(i.get("status", "unknown")) for i in items}}

@@ -1,0 +1,114 @@
+"""What the helper's runtime verbs refuse before runsc ever runs (their success paths boot real
+sandboxes in every e2e test)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
+from space.node.helper.backend import InProcess
+from space.node.helper.verbs import HelperContext
+
+SID = "sbx-helper-test"
+IID = f"{SID}-abcde"
+
+
+@pytest.fixture
+def priv(tmp_path: Path) -> InProcess:
+    (tmp_path / "data" / "runsc").mkdir(parents=True)
+    (tmp_path / "pool" / "sandboxes").mkdir(parents=True)
+    return InProcess(HelperContext(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache",
+                                   pool_root=tmp_path / "pool", runsc="/bin/false"))
+
+
+@pytest.fixture
+def pipes() -> Iterator[dict[str, int]]:
+    r, w = os.pipe()
+    yield {"stdin": r, "stdout": w, "stderr": w}
+    os.close(r)
+    os.close(w)
+
+
+def launch(**over: Any) -> dict[str, Any]:
+    return {"kind": "run", "sandbox": SID, "instance": IID, "cpu": 1.0, "memory_mb": 512, **over}
+
+
+@pytest.mark.parametrize("args", [
+    launch(sandbox="../etc"),
+    launch(instance="x"),
+    launch(kind="exec"),
+    launch(cpu=0),
+    launch(memory_mb=1),
+    launch(net=0),
+    launch(rootfs="/"),
+    launch(image_sandbox="/etc", image_snapshot="x"),
+])
+async def test_bad_launch_arguments(priv: InProcess, pipes: dict[str, int], args: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest):
+        await priv.call("runtime.launch", args, fds=pipes)
+
+
+async def test_launch_needs_its_fds_and_only_those(priv: InProcess, pipes: dict[str, int]) -> None:
+    with pytest.raises(InvalidRequest):
+        await priv.call("runtime.launch", launch())
+    with pytest.raises(InvalidRequest):
+        await priv.call("runtime.launch", launch(), fds={**pipes, "extra": pipes["stdin"]})
+
+
+async def test_launch_of_an_instance_of_another_sandbox(priv: InProcess, pipes: dict[str, int]) -> None:
+    with pytest.raises(Conflict):
+        await priv.call("runtime.launch", launch(instance="other-sandbox-abcde"), fds=pipes)
+
+
+async def test_launch_refuses_ids_runsc_would_confuse(priv: InProcess, pipes: dict[str, int],
+                                                      tmp_path: Path) -> None:
+    # runsc matches container ids by unique prefix: a new id must not be a prefix of a known one,
+    # nor extend one, nor repeat one.
+    (tmp_path / "data" / "runsc" / f"{IID}0_sandbox:{IID}0.state").write_text("{}")
+    with pytest.raises(Conflict, match="collides"):
+        await priv.call("runtime.launch", launch(), fds=pipes)
+
+
+async def test_launch_refuses_a_planted_root(priv: InProcess, pipes: dict[str, int], tmp_path: Path) -> None:
+    sandboxes = tmp_path / "pool" / "sandboxes"
+    (sandboxes / SID).symlink_to("/")  # the sandbox dir is a symlink to the host's root
+    with pytest.raises(InvalidPath):
+        await priv.call("runtime.launch", launch(), fds=pipes)
+    (sandboxes / SID).unlink()
+    (sandboxes / SID).mkdir()
+    (sandboxes / SID / "rootfs").symlink_to("/")
+    with pytest.raises(InvalidPath):
+        await priv.call("runtime.launch", launch(), fds=pipes)
+    (sandboxes / SID / "rootfs").unlink()
+    (sandboxes / SID / "rootfs").mkdir()  # a plain directory is not a subvolume
+    with pytest.raises(InvalidPath, match="subvolume"):
+        await priv.call("runtime.launch", launch(), fds=pipes)
+    assert not (tmp_path / "data" / "bundles").exists()
+
+
+async def test_instance_verbs_need_the_exact_id(priv: InProcess, tmp_path: Path) -> None:
+    (tmp_path / "data" / "runsc" / f"{IID}_sandbox:{IID}.state").write_text("{}")
+    prefix = IID[:-1] + "x"  # well-formed, unknown
+    with pytest.raises(NotFound):
+        await priv.call("runtime.pause", {"instance": prefix})
+    with pytest.raises(NotFound):
+        await priv.call("runtime.resume", {"instance": prefix})
+    assert await priv.call("runtime.delete", {"instance": prefix}) == {"deleted": False}
+    assert await priv.call("runtime.state", {"instance": prefix}) == {"status": None}
+    await priv.call("runtime.kill", {"instance": prefix})  # idempotent: nothing to kill
+
+
+async def test_checkpoint_refuses_a_planted_image_dir(priv: InProcess, tmp_path: Path) -> None:
+    (tmp_path / "data" / "runsc" / f"{IID}_sandbox:{IID}.state").write_text("{}")
+    snap = tmp_path / "pool" / "sandboxes" / SID / "snapshots" / "snap-1"
+    snap.mkdir(parents=True)
+    (snap / "checkpoint").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InvalidPath):
+        await priv.call("runtime.checkpoint", {"instance": IID, "sandbox": SID, "snapshot": "snap-1"})
+    with pytest.raises(Conflict):
+        await priv.call("runtime.checkpoint", {"instance": IID, "sandbox": "other", "snapshot": "snap-1"})
