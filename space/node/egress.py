@@ -18,7 +18,7 @@ import structlog
 
 from space.errors import SpaceError
 from space.gateway.policy import validate
-from space.node.gateway import GatewayProcess
+from space.node.gateway import GatewayHandle
 from space.node.network import Network, SandboxNet
 
 log = structlog.get_logger(__name__)
@@ -27,7 +27,7 @@ EGRESS_FILE = "egress.json"
 
 
 class Egress:
-    def __init__(self, network: Network, gateway: GatewayProcess) -> None:
+    def __init__(self, network: Network, gateway: GatewayHandle) -> None:
         self.network = network
         self.gateway = gateway
         self._secrets: dict[str, list[dict[str, Any]]] = {}

@@ -42,6 +42,7 @@ import structlog
 from space.errors import Unavailable
 
 if TYPE_CHECKING:
+    from space.node.helper.backend import Privileged
     from space.privdrop import ServiceUser
 
 log = structlog.get_logger(__name__)
@@ -191,6 +192,30 @@ class GatewayClient:
     async def close(self) -> None:
         async with self._lock:
             await self._drop()
+
+
+class GatewayHandle:
+    """The agent's view of the node's gateway: its control socket, its CA, and the helper's
+    ``gateway.*`` verbs to start, watch and stop it (the helper runs the process)."""
+
+    def __init__(self, priv: Privileged, control: Path, ca_dir: Path) -> None:
+        self.priv = priv
+        self.control = control
+        self.ca_dir = ca_dir
+        self.client = GatewayClient(control)
+        self.pid: int | None = None
+
+    async def ensure(self) -> None:
+        await self.client.close()  # a restarted gateway listens on a new socket
+        self.pid = (await self.priv.call("gateway.ensure"))["pid"]
+
+    async def alive(self) -> bool:
+        return bool((await self.priv.call("gateway.alive"))["alive"])
+
+    async def stop(self) -> None:
+        await self.client.close()
+        await self.priv.call("gateway.stop")
+        self.pid = None
 
 
 class GatewayProcess:

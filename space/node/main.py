@@ -19,9 +19,9 @@ import uvicorn
 from space import guest as guest_pkg
 from space.node.app import create_node_app
 from space.node.egress import Egress
-from space.node.gateway import GatewayProcess
+from space.node.gateway import GatewayHandle
 from space.node.helper.backend import InProcess, Privileged
-from space.node.helper.verbs import HelperContext
+from space.node.helper.verbs import GatewayConfig, HelperContext
 from space.node.network import GatewayPorts, Network
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
@@ -122,7 +122,7 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
-    priv = node_privileged(settings.data_dir, settings.cache_dir, pool.root)
+    priv = pool.priv = node_privileged(settings, pool.root)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(
@@ -135,28 +135,31 @@ async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, Sandb
     return pool, templates, manager, warm
 
 
-def node_privileged(data_dir: Path, cache_dir: Path, pool_root: Path) -> Privileged:
+def node_privileged(settings: NodeSettings, pool_root: Path) -> Privileged:
     """How this agent runs privileged verbs: in this (root) process until the agent drops root."""
-    return InProcess(HelperContext(data_dir=data_dir, cache_dir=cache_dir, pool_root=pool_root,
-                                   guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple()))
+    return InProcess(helper_context(settings, pool_root))
+
+
+def helper_context(settings: NodeSettings, pool_root: Path) -> HelperContext:
+    gateway = None
+    if settings.network:
+        gateway = GatewayConfig(control=channel_dir_for(settings.data_dir) / "gateway.sock",
+                                ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
+                                hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca)
+    return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
+                         guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway)
 
 
 def make_egress(settings: NodeSettings, priv: Privileged) -> Egress:
     network = Network(settings.data_dir, priv)
-    gateway = GatewayProcess(
-        settings.data_dir / "gateway", channel_dir_for(settings.data_dir) / "gateway.sock",
-        address="0.0.0.0", proxy_port=network.ports.proxy, transparent_port=network.ports.transparent,
-        dns_port=network.ports.dns, ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
-        hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca,
-    )
+    gateway = GatewayHandle(priv, channel_dir_for(settings.data_dir) / "gateway.sock",
+                            settings.egress_ca_dir or settings.data_dir / "egress-ca")
     return Egress(network, gateway)
 
 
 async def start_egress(settings: NodeSettings, priv: Privileged) -> Egress:
     egress = make_egress(settings, priv)
     await egress.network.setup()
-    egress.gateway.address = egress.network.gateway_ip
-    egress.gateway.ports = egress.network.ports.as_tuple()
     await egress.gateway.ensure()
     return egress
 
@@ -231,7 +234,8 @@ async def register_node(settings: NodeSettings) -> None:
 async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:
     """Remove every sandbox of this node and release its pool (unmount, detach the loop device)."""
     pool = await Pool.open(data_dir)
-    priv = node_privileged(data_dir, cache_dir, pool.root)
+    settings = NodeSettings(data_dir=data_dir, cache_dir=cache_dir, socket=None, listen=None, token="")
+    priv = pool.priv = node_privileged(settings, pool.root)
     driver = GVisorDriver(priv, pool.root)
     manager = SandboxManager(
         pool, TemplateStore(pool, cache_dir), driver, guest_dir=guest_dir(),
@@ -243,8 +247,7 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
-    egress = make_egress(NodeSettings(data_dir=data_dir, cache_dir=cache_dir, socket=None, listen=None, token=""),
-                         priv)
+    egress = make_egress(settings, priv)
     await egress.gateway.stop()
     await egress.network.teardown()
     await pool.teardown()

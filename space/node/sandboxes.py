@@ -22,7 +22,7 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.node import rootfs_net, shipping, snapshots, startup
+from space.node import shipping, snapshots, startup
 from space.node.artifacts import read_manifest
 from space.node.egress import Egress
 from space.node.guest_client import GuestConnection
@@ -303,8 +303,9 @@ class SandboxManager:
             net = await self.egress.network.attach(self._dir(sb.id))
             await self.egress.network.prepare(net)
             if image is None:  # a restored root has it already (and its open files must not change)
-                await asyncio.to_thread(rootfs_net.configure, self._dir(sb.id) / "rootfs",
-                                        self.egress.network.gateway_ip, self.egress.ca_cert())
+                ca = self.egress.ca_cert()
+                await self.pool.priv.call("rootfs.configure_net", {
+                    "sandbox": sb.id, "ca_pem": ca.decode() if ca is not None else None})
         t_net = time.perf_counter()
         spec = InstanceSpec(
             sandbox_id=sb.id,
@@ -778,7 +779,11 @@ class SandboxManager:
             return
         while True:
             await asyncio.sleep(every)
-            if self.egress.gateway.alive():
+            try:
+                if await self.egress.gateway.alive():
+                    continue
+            except SpaceError as exc:
+                log.error("gateway.check_failed", error=str(exc))
                 continue
             log.warning("gateway.died")
             try:

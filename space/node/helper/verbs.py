@@ -26,6 +26,32 @@ LineSink = Callable[[str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """How the helper runs the node's egress gateway (``space.node.gateway.GatewayProcess``)."""
+
+    control: Path  # its control socket
+    ca_dir: Path
+    user: str | None = "space-gw"
+    control_group: int | None = None  # the group that may use the control socket: the agent's
+    hosts_file: Path | None = None  # test-only resolver
+    upstream_ca: Path | None = None  # test-only upstream trust
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> GatewayConfig:
+        def path(key: str) -> Path | None:
+            return Path(doc[key]) if doc.get(key) is not None else None
+
+        control, ca_dir = path("control"), path("ca_dir")
+        if control is None or ca_dir is None:
+            raise ValueError("a gateway config needs 'control' and 'ca_dir'")
+        return cls(control=control, ca_dir=ca_dir, user=doc.get("user", "space-gw"), control_group=doc.get("control_group"),
+                   hosts_file=path("hosts_file"), upstream_ca=path("upstream_ca"))
+
+
+@dataclass(frozen=True)
 class HelperContext:
     """What the helper fixed at its start: every verb resolves names under these roots."""
 
@@ -37,6 +63,10 @@ class HelperContext:
     guest_dir: Path | None = None
     runsc: str = "runsc"
     platform: str = "systrap"
+    #: The unprivileged node agent's uid (None: the agent is root): it gets the instance cgroup
+    #: files it writes itself.
+    agent_uid: int | None = None
+    gateway: GatewayConfig | None = None
 
     @property
     def pool(self) -> Path:
@@ -103,7 +133,8 @@ def lookup(name: str) -> Verb:
 
 def load_all() -> None:
     """Import every verb module (each registers itself)."""
-    from space.node.helper import verbs_net, verbs_pool, verbs_runtime  # noqa: F401
+    from space.node.helper import verbs_core, verbs_gateway, verbs_net, verbs_pool, verbs_runtime  # noqa: F401
+    from space.node.helper import verbs_stream, verbs_template  # noqa: F401
 
 
 # -- argument parsing ---------------------------------------------------------------------------
