@@ -9,6 +9,7 @@ data between stages and files, and name the stage that failed (pipefail semantic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from space.errors import RuntimeFailure, Timeout
 from space.node import privileged
+from tests.waiting import await_for
 
 pytestmark = pytest.mark.anyio
 
@@ -139,3 +141,31 @@ async def test_no_descriptors_leak_from_pipelines() -> None:
     for _ in range(5):
         await privileged.pipeline(["echo", "x"], ["cat"], ["cat"])
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_cancel_while_starting_kills_the_new_process_group(tmp_path: Path) -> None:
+    # Cancelled at every point of the start, a command never leaves a process behind: asyncio
+    # itself would kill only the direct child, not what it started in its session.
+    pids = tmp_path / "pids"
+    for delay in range(12):
+        task = asyncio.ensure_future(privileged.run(
+            "sh", "-c", f'sh -c "echo \\$\\$ >> {pids}; exec sleep 300" & wait'))
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+    started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+
+    async def all_gone() -> bool | None:
+        return not any(alive(p) for p in started) or None
+
+    await await_for(all_gone, 10, "every started sleep to be gone")

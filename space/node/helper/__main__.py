@@ -1,0 +1,111 @@
+"""``python -m space.node.helper``: the node's root helper process.
+
+It serves the allowlisted verbs on a unix socket that only the node agent's uid (and root, with
+``--allow-root``) may use, until SIGTERM or SIGINT: then it stops accepting, cancels the calls in
+flight (killing their children) and exits 0. Standard library and structlog only, like
+:mod:`space.nodesup`: it must start fast and parse nothing but its requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import grp
+import json
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+from space.node.helper import verbs
+from space.node.helper.rpc import serve
+from space.node.helper.verbs import GatewayConfig, HelperContext
+
+PR_SET_PDEATHSIG = 1
+
+log = structlog.get_logger("space.node.helper")
+
+
+def _group(value: str) -> int:
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no such group: {value}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m space.node.helper", description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--cache-dir", type=Path, required=True)
+    p.add_argument("--socket", type=Path, required=True, help="the unix socket to serve on")
+    p.add_argument("--agent-uid", type=int, required=True, help="the only uid allowed to call")
+    p.add_argument("--socket-group", type=_group, default=None, help="group (name or gid) of the socket")
+    p.add_argument("--allow-root", action="store_true", help="let root call too (tests, node teardown)")
+    p.add_argument("--pool-root", type=Path, default=None, help="the btrfs pool (default <data-dir>/pool)")
+    p.add_argument("--guest-dir", type=Path, default=None, help="the guest daemon mounted into sandboxes")
+    p.add_argument("--gateway-ports", type=_ports, default=(3128, 3129, 3053),
+                   help="proxy,transparent,dns ports of the egress gateway")
+    p.add_argument("--gateway-config", type=_gateway, default=None, help="JSON: how to run the gateway")
+    p.add_argument("--runsc", default="runsc")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit with this process (the node agent that started the helper)")
+    return p
+
+
+def _ports(value: str) -> tuple[int, int, int]:
+    parts = value.split(",")
+    if len(parts) != 3 or not all(p.isdigit() and 0 < int(p) < 65536 for p in parts):
+        raise argparse.ArgumentTypeError("three ports: proxy,transparent,dns")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def _gateway(value: str) -> GatewayConfig:
+    try:
+        return GatewayConfig.from_json(json.loads(value))
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"bad gateway config: {exc}") from None
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM when the agent that started us dies (it cannot signal us once it dropped root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        raise SystemExit(0)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    verbs.load_all()
+    ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
+                        guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
+                        agent_uid=args.agent_uid, gateway=args.gateway_config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = await serve(ctx, args.socket, agent_uid=args.agent_uid, allow_root=args.allow_root,
+                         socket_gid=args.socket_group)
+    log.info("helper.started", pid=os.getpid(), verbs=sorted(verbs.REGISTRY))
+    await stop.wait()
+    log.info("helper.stopping")
+    server.close()
+    await server.wait_closed()
+    log.info("helper.stopped")
+
+
+def main() -> None:
+    from space import logs
+
+    args = _parser().parse_args()
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    logs.configure(os.environ.get("SPACE_LOG_LEVEL", "info"))
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()
