@@ -20,8 +20,8 @@ from typing import Any
 
 import structlog
 
-from space.errors import RuntimeFailure, SnapshotCorrupt, SpaceError
-from space.node import privileged, snapshots
+from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
+from space.node import snapshots
 from space.node.artifacts import Artifact, download_snapshot, upload_snapshot
 from space.node.pool import Pool
 from space.objstore import ObjectStore
@@ -34,29 +34,128 @@ CHUNK = 1 << 20
 Progress = Callable[[str], Awaitable[None]]
 
 
-async def send_delta(parent: Path, snap_root: Path) -> AsyncIterator[bytes]:
-    """``btrfs send -p parent snap | zstd``, as a stream of bytes; raises if either step fails."""
-    proc = await asyncio.create_subprocess_exec(
-        "bash", "-o", "pipefail", "-c", 'btrfs send -q -p "$1" "$2" | zstd -T0 -3 -q -c', "send",
-        str(parent), str(snap_root),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+def pool_rel(pool: Pool, path: Path) -> str:
+    """``path`` as the helper's verbs name it (relative to the pool root)."""
+    try:
+        return Path(os.path.normpath(path)).relative_to(pool.root).as_posix()
+    except ValueError:
+        raise InvalidPath(f"path is outside the pool: {path}", path=str(path)) from None
+
+
+async def _spawn(*argv: str, stdin: int | None, stdout: int | None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=stdout if stdout is not None else asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
-    assert proc.stdout is not None and proc.stderr is not None
-    err_task = asyncio.create_task(proc.stderr.read())
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        await proc.wait()
+
+
+def _zstd_failure(argv: list[str], rc: int, err: bytes) -> RuntimeFailure:
+    tail = err.decode(errors="replace").strip()[-300:]
+    return RuntimeFailure(f"zstd failed (exit {rc}): {tail or 'no output'}", argv=argv, returncode=rc, stderr=tail)
+
+
+@contextlib.asynccontextmanager
+async def compressed_send(pool: Pool, subvol: Path, *, parent: Path | None = None,
+                          stdout: int | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``btrfs send [-p parent] subvol | zstd -T0 -3``: the helper's ``stream.send`` writes the raw
+    stream into a pipe, and zstd runs here (unprivileged) on its other end.
+
+    Yields the zstd process: with ``stdout`` (an fd) it writes there, else the body reads its
+    ``stdout`` to EOF. Leaving the block waits for both and raises if either failed; leaving it
+    early (an exception, a cancellation) kills both.
+    """
+    args: dict[str, Any] = {"rel": pool_rel(pool, subvol),
+                            "parent": pool_rel(pool, parent) if parent is not None else None}
+    argv = ["zstd", "-T0", "-3", "-q", "-c"]
+    read_end, write_end = os.pipe()
     try:
-        while chunk := await proc.stdout.read(CHUNK):
-            yield chunk
-        rc = await proc.wait()
+        zstd = await _spawn(*argv, stdin=read_end, stdout=stdout)
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)  # zstd has its copy
+    # Our copy of the write end goes when the send is over, so zstd then sees EOF.
+    send = asyncio.create_task(pool.priv.call("stream.send", args, fds={"stdout": write_end}, timeout=1800))
+    send.add_done_callback(lambda _: os.close(write_end))
+    assert zstd.stderr is not None
+    err_task = asyncio.create_task(zstd.stderr.read())
+    try:
+        yield zstd
+        rc = await zstd.wait()
+        await asyncio.wait({send})
         err = await err_task
         if rc != 0:
-            raise RuntimeFailure(f"btrfs send of {snap_root.name} failed (exit {rc}): "
-                                 f"{err.decode(errors='replace').strip()[-300:]}")
+            # Named first: a zstd that died makes the send fail of a broken pipe.
+            raise _zstd_failure(argv, rc, err)
+        send.result()
     finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        if not send.done():
+            send.cancel()
+        await asyncio.shield(asyncio.wait({send}))
+        if not send.cancelled():
+            send.exception()  # retrieved: the error raised (or the one that made us leave) wins
+        await asyncio.shield(_reap(zstd))
+        err_task.cancel()
+
+
+async def send_delta(parent: Path, snap_root: Path, *, pool: Pool) -> AsyncIterator[bytes]:
+    """``btrfs send -p parent snap | zstd``, as a stream of bytes; raises if either step fails."""
+    async with compressed_send(pool, snap_root, parent=parent) as zstd:
+        assert zstd.stdout is not None
+        while chunk := await zstd.stdout.read(CHUNK):
+            yield chunk
+
+
+async def receive_compressed(pool: Pool, stream: Path, dest: Path, name: str, *, timeout: float = 1800) -> None:
+    """``zstd -d < stream | btrfs receive``: zstd runs here, the helper's ``stream.receive`` takes the
+    raw stream from a pipe and must find exactly the subvolume ``name`` in it, which it moves to
+    ``dest/name``. Raises RuntimeFailure (zstd) or the verb's error; leaves nothing on failure."""
+    argv = ["zstd", "-d", "-q", "-c", "--", str(stream)]
+    read_end, write_end = os.pipe()
+    try:
+        zstd = await _spawn(*argv, stdin=None, stdout=write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # zstd has its copy: btrfs receive sees EOF when zstd is done
+    assert zstd.stderr is not None
+    err_task = asyncio.create_task(zstd.stderr.read())
+    try:
+        failed: SpaceError | None = None
+        try:
+            await pool.priv.call("stream.receive", {"dest": pool_rel(pool, dest), "name": name},
+                                 fds={"stdin": read_end}, timeout=timeout)
+        except SpaceError as exc:
+            failed = exc
+        finally:
+            os.close(read_end)  # a zstd still writing (the verb refused early) now gets EPIPE
+        rc = await zstd.wait()
+        err = await err_task
+        if rc not in (0, -signal.SIGPIPE) and failed is not None:
+            # The stream could not be decompressed: that is the cause, the receive only saw its end.
+            # (Killed by SIGPIPE, zstd only saw the receive refuse or fail first.)
+            raise _zstd_failure(argv, rc, err) from failed
+        if failed is not None:
+            raise failed
+        if rc != 0:
+            # The receive took a truncated stream as complete: what it made is not to be trusted.
+            await asyncio.shield(pool.delete_subvolume(dest / name))
+            raise _zstd_failure(argv, rc, err)
+    finally:
+        await asyncio.shield(_reap(zstd))
         err_task.cancel()
 
 
@@ -73,7 +172,7 @@ async def upload(
     then the manifest (the commit point)."""
     root = snapshots.rootfs_of(pool, snap.sandbox_id, snap.id)
     image = snapshots.image_of(pool, snap.sandbox_id, snap.id)
-    arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root))]
+    arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root, pool=pool))]
     for f in sorted(image.iterdir()) if snap.kind == "full" else []:
         arts.append(Artifact(name=f"checkpoint/{f.name}", path=f))
     manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": snap.public()},
@@ -113,11 +212,7 @@ async def download(
                                   f"{raw.get('id')!r}", snapshot_id=snap_id)
         d.mkdir(parents=True)
         try:
-            await privileged.pipeline(
-                ["zstd", "-d", "-q", "-c", "--", str(incoming / ROOTFS_ARTIFACT)],
-                ["btrfs", "receive", "-q", str(d)],
-                timeout=1800,
-            )
+            await receive_compressed(pool, incoming / ROOTFS_ARTIFACT, d, "rootfs")
         except SpaceError as exc:
             raise SnapshotCorrupt(f"snapshot {snap_id}: its root filesystem could not be received "
                                   f"({exc.message})", snapshot_id=snap_id) from None

@@ -6,8 +6,9 @@ first:
 
 1. a ready template with that digest is in the pool → returned as is;
 2. the node's cache holds its exported stream (``<cache>/templates/<name>-<digest>.btrfs.zst``)
-   → ``zstd -d | btrfs receive`` (seconds);
-3. else it is built (debootstrap, then user and mount points, then cleanup), published atomically
+   → ``zstd -d`` here into the root helper's ``stream.receive`` (seconds);
+3. else it is built (debootstrap, then user and mount points, then cleanup: the helper's
+   ``template.*`` verbs), published atomically
    as a read-only snapshot, and exported to the cache for the next pool on this machine.
 
 Readiness is the manifest ``templates/<name>@<digest16>.json``, written only once the subvolume is
@@ -16,8 +17,9 @@ and one ``flock`` per digest across processes; whatever a crash leaves behind (a
 partial receive) is deleted by the next ensure.
 
 A received template keeps the identity (received UUID) of the subvolume that was sent, which is why
-it is received straight into ``templates/`` instead of being snapshotted there: ``btrfs send -p
-<template>`` deltas from any pool that shares the stream then apply on this one.
+it is received and then moved into ``templates/`` instead of being snapshotted there: ``btrfs send
+-p <template>`` deltas from any pool that shares the stream then apply on this one. The helper
+receives into a staging dir of its own and moves only the one subvolume the store asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import builtins
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -42,14 +45,15 @@ from typing import Any, Final
 import structlog
 
 from space.errors import InvalidRequest, NotFound, RuntimeFailure, SpaceError, ValidationFailed
-from space.node import privileged, template_build, template_spec
+from space.node import shipping, template_build, template_spec
+from space.node.helper import verbs_template
 from space.node.pool import Pool, check_name, file_lock
 from space.objstore import ObjectStore
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_CACHE_DIR: Final = Path("/var/cache/space")
-USER_UID: Final = 1000
+USER_UID: Final = verbs_template.USER_UID
 
 #: The spec of the ``base`` template. Copy it before changing it: every key is part of the digest.
 BASE_SPEC: Final[dict[str, Any]] = {
@@ -68,7 +72,7 @@ Builder = Callable[[dict[str, Any], Path, Path, Progress], Awaitable[None]]
 _SUITE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.:-]{0,99}")
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-_MIRROR = re.compile(r"(https?|file)://[^\s,'\"\\]+")
+_MIRROR = verbs_template.MIRROR_RE
 
 
 def spec_digest(spec: dict[str, Any]) -> str:
@@ -167,7 +171,7 @@ class TemplateStore:
         self.pool = pool
         self.cache_dir = cache_dir
         self.objects = objects
-        self._builder: Builder = builder or debootstrap_builder
+        self._builder: Builder = builder or functools.partial(debootstrap_builder, pool=pool)
         self._flights: dict[str, _Flight] = {}
         #: Template streams this process fetched from object storage (single-flight shows here).
         self.downloads = 0
@@ -318,11 +322,8 @@ class TemplateStore:
         size_mb = _file_bytes(stream) / 1e6
         await emit(f"[1/2] receive {label} from the cache stream ({size_mb:.0f} MB compressed)")
         started = time.monotonic()
-        await privileged.pipeline(
-            ["zstd", "-d", "-q", "-c", "--", str(stream)],
-            ["btrfs", "receive", "-q", str(final.parent)],
-            timeout=1800,
-        )
+        # The stream must hold exactly this template (it could name any subvolume otherwise).
+        await shipping.receive_compressed(self.pool, stream, final.parent, final.name)
         if not await self.pool.is_subvolume(final) or not await self.pool.is_readonly(final):
             raise RuntimeFailure(f"the cache stream did not produce a read-only {label}", stream=str(stream))
         seconds = time.monotonic() - started
@@ -365,10 +366,12 @@ class TemplateStore:
         partial = stream.with_name(stream.name + ".tmp")
         started = time.monotonic()
         try:
-            await privileged.pipeline(
-                ["btrfs", "send", "-q", str(final)], ["zstd", "-T0", "-3", "-q", "-c"],
-                stdout=partial, timeout=1800,
-            )
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                async with shipping.compressed_send(self.pool, final, stdout=fd):
+                    pass
+            finally:
+                os.close(fd)
             os.replace(partial, stream)
         except SpaceError as exc:
             partial.unlink(missing_ok=True)
@@ -482,38 +485,6 @@ def _tree_bytes(top: Path) -> int:
 
 # -- the default builder: debootstrap ------------------------------------------------------------
 
-# Runs inside the new root (chroot). Arguments, never interpolation: user and home come from a spec.
-_CONFIGURE = r"""
-set -eu
-user="$1" home="$2" uid="$3"
-if ! getent passwd "$user" >/dev/null; then
-    useradd --create-home --home-dir "$home" --shell /bin/bash --uid "$uid" --user-group "$user"
-fi
-mkdir -p "$home"
-chown "$user:$user" "$home"
-# Mount point for the guest agent, bound in by the runtime.
-mkdir -p /opt/space/guest
-# Identity and name resolution are per sandbox (the runtime provides them), not per template;
-# debootstrap copied the build host's.
-rm -f /etc/hostname /etc/machine-id /var/lib/dbus/machine-id
-: > /etc/resolv.conf
-printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > /etc/hosts
-"""
-
-_CLEAN = r"""
-set -eu
-apt-get clean
-rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/debconf/*-old /var/lib/dpkg/*-old
-rm -rf /var/log/*.log /var/log/apt/* /tmp/* /var/tmp/*
-"""
-
-_CHROOT_ENV: Final = {
-    "LC_ALL": "C",
-    "DEBIAN_FRONTEND": "noninteractive",
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-}
-
-
 class _DebootstrapProgress:
     """Turns debootstrap's ``I:`` lines into progress lines with a percentage where one is known.
 
@@ -547,24 +518,28 @@ class _DebootstrapProgress:
             await self.emit(f"  {line}")
 
 
-async def debootstrap_builder(spec: dict[str, Any], target: Path, cache_dir: Path, emit: Progress) -> None:
-    """The default :data:`Builder`: a minbase Debian with the spec's packages and user."""
-    deb_cache = cache_dir / "debootstrap"
-    deb_cache.mkdir(parents=True, exist_ok=True)
+async def debootstrap_builder(spec: dict[str, Any], target: Path, cache_dir: Path, emit: Progress, *,
+                              pool: Pool) -> None:
+    """The default :data:`Builder` (bound to its pool by the store): a minbase Debian with the
+    spec's packages and user, made by the helper's ``template.*`` verbs in ``target`` (the work
+    subvolume). debootstrap's package cache is the helper's (``<its cache>/debootstrap``), not
+    ``cache_dir``."""
+    work = shipping.pool_rel(pool, target)
     await emit(f"[1/4] debootstrap {spec['suite']} (minbase + {len(spec['packages'])} packages)")
     progress = _DebootstrapProgress(emit)
-    argv = ["debootstrap", "--variant=minbase", f"--cache-dir={deb_cache}"]
-    if spec["packages"]:
-        argv.append(f"--include={','.join(spec['packages'])}")
-    argv += [spec["suite"], str(target), spec["mirror"]]
-    rc = await privileged.stream_lines(*argv, on_line=progress.feed, timeout=3600, env=_CHROOT_ENV)
+    res = await pool.priv.call(
+        "template.debootstrap",
+        {"work": work, "suite": spec["suite"], "mirror": spec["mirror"], "packages": list(spec["packages"])},
+        on_line=progress.feed, timeout=3600,
+    )
+    rc = int(res["returncode"])
     if rc != 0:
         tail = "\n".join(progress.tail)
-        raise RuntimeFailure(f"debootstrap failed (exit {rc})", argv=argv, returncode=rc, output=tail)
+        raise RuntimeFailure(f"debootstrap failed (exit {rc})", work=work, suite=spec["suite"], returncode=rc,
+                             output=tail)
 
     await emit(f"[2/4] configure: user {spec['user']} (uid {USER_UID}), {spec['home']}, /opt/space/guest")
-    await privileged.run("chroot", str(target), "/bin/sh", "-c", _CONFIGURE, "configure",
-                         spec["user"], spec["home"], str(USER_UID), env=_CHROOT_ENV)
+    await pool.priv.call("template.script", {"work": work, "script": "base_configure",
+                                             "args": [spec["user"], spec["home"]]})
     await emit("[3/4] clean apt lists and caches")
-    await privileged.run("chroot", str(target), "/bin/sh", "-c", _CLEAN, "clean",
-                         env=_CHROOT_ENV, timeout=300)
+    await pool.priv.call("template.script", {"work": work, "script": "base_clean"}, timeout=300)

@@ -47,8 +47,9 @@ class GatewayConfig:
         control, ca_dir = path("control"), path("ca_dir")
         if control is None or ca_dir is None:
             raise ValueError("a gateway config needs 'control' and 'ca_dir'")
-        return cls(control=control, ca_dir=ca_dir, user=doc.get("user", "space-gw"), control_group=doc.get("control_group"),
-                   hosts_file=path("hosts_file"), upstream_ca=path("upstream_ca"))
+        return cls(control=control, ca_dir=ca_dir, user=doc.get("user", "space-gw"),
+                   control_group=doc.get("control_group"), hosts_file=path("hosts_file"),
+                   upstream_ca=path("upstream_ca"))
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,15 @@ def lookup(name: str) -> Verb:
 
 def load_all() -> None:
     """Import every verb module (each registers itself)."""
-    from space.node.helper import verbs_core, verbs_gateway, verbs_net, verbs_pool, verbs_runtime  # noqa: F401
-    from space.node.helper import verbs_stream, verbs_template  # noqa: F401
+    from space.node.helper import (  # noqa: F401
+        verbs_core,
+        verbs_gateway,
+        verbs_net,
+        verbs_pool,
+        verbs_runtime,
+        verbs_stream,
+        verbs_template,
+    )
 
 
 # -- argument parsing ---------------------------------------------------------------------------
