@@ -33,8 +33,8 @@ $(GW_VENV)/.installed: gateway-requirements.txt pyproject.toml
 	$(GW_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
-access: python gateway  ## the service users (`space`: the API; `space-gw`: the egress gateway) can reach their Python and this checkout
-	@if [ "$$(id -u)" -eq 0 ]; then bash scripts/service-user-access.sh space $(PY) space-gw $(GW_VENV)/bin/python; fi
+access: python gateway  ## the service users (`space`: the API; `space-node`: the node agent; `space-gw`: the egress gateway) can reach their Python and this checkout
+	@if [ "$$(id -u)" -eq 0 ]; then bash scripts/service-user-access.sh space $(PY) space-node $(PY) space-gw $(GW_VENV)/bin/python; fi
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)

@@ -49,3 +49,11 @@ fi
 if ! getent passwd space-gw >/dev/null; then
   useradd --system --user-group --no-create-home --shell /usr/sbin/nologin space-gw
 fi
+# The node agent drops to its own user once its root helper runs; group `space` lets it pass through
+# the data dir (0710 root:space) and share the object store with the API.
+if ! getent passwd space-node >/dev/null; then
+  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin --groups space space-node
+fi
+if ! id -nG space-node | tr ' ' '\n' | grep -qx space; then
+  usermod --append --groups space space-node
+fi

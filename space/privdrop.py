@@ -33,7 +33,7 @@ import pwd
 import stat
 import struct
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import structlog
@@ -251,29 +251,29 @@ def _share_dir(path: Path, gid: int, *, other: int) -> None:
 # ---- the drop ----------------------------------------------------------------------------------
 
 
-def drop_privileges(user: ServiceUser) -> None:
-    """Become ``user`` for good (real, effective and saved ids; no supplementary groups), or raise
-    :class:`PrivilegeError` (the caller must not serve then)."""
+def drop_privileges(user: ServiceUser, *, groups: Sequence[int] = ()) -> None:
+    """Become ``user`` for good (real, effective and saved ids; supplementary groups ``groups``
+    only), or raise :class:`PrivilegeError` (the caller must not serve then)."""
     if os.geteuid() != 0:
         raise PrivilegeError(
             f"cannot switch to the user {user.name!r}: space serve must start as root (its node "
             f"agent needs root), not as uid {os.geteuid()}", user=user.name)
-    os.setgroups([])
+    os.setgroups(list(groups))
     os.setresgid(user.gid, user.gid, user.gid)
     os.setresuid(user.uid, user.uid, user.uid)
     # The API starts no program, least of all a setuid one: no exec may grant privileges again.
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise PrivilegeError(f"prctl(PR_SET_NO_NEW_PRIVS) failed: {os.strerror(ctypes.get_errno())}")
-    _verify_dropped(user)
+    _verify_dropped(user, groups)
     os.environ.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
-    log.info("serve.privileges_dropped", user=user.name, uid=user.uid, gid=user.gid)
+    log.info("privileges_dropped", user=user.name, uid=user.uid, gid=user.gid, groups=list(groups))
 
 
-def _verify_dropped(user: ServiceUser) -> None:
+def _verify_dropped(user: ServiceUser, groups: Sequence[int] = ()) -> None:
     ids = (os.getresuid(), os.getresgid(), os.getgroups())
     want = ((user.uid,) * 3, (user.gid,) * 3)
-    if ids[:2] != want or set(ids[2]) - {user.gid}:
+    if ids[:2] != want or set(ids[2]) - {user.gid, *groups} or 0 in ids[2]:
         raise PrivilegeError(f"switching to {user.name!r} left uids/gids/groups {ids}", user=user.name)
     for name, regain in (("setuid", os.setuid), ("setgid", os.setgid)):
         try:
@@ -299,13 +299,25 @@ def _status_fields(*names: str) -> dict[str, str]:
 def check_access(user: ServiceUser, settings: ServeSettings) -> None:
     """After the drop: the user reaches its state and the Python installation it imports from
     (modules load lazily, long after the drop). Raise :class:`PrivilegeError` naming the fix."""
-    paths = sysconfig.get_paths()
-    code = [Path(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
-    code.append(Path(__file__).resolve().parent)
-    _require(user, code, os.R_OK | os.X_OK, "the Python installation SPACE runs from")
+    require_code_access(user)
     db = sqlite_path(settings)
     state = [p for p in (control_dir(settings), db.parent if db else None, local_objects(settings)) if p]
     _require(user, state, os.R_OK | os.W_OK | os.X_OK, "its state")
+
+
+def require_code_access(user: ServiceUser) -> None:
+    """After the drop: the user reaches the Python installation it imports from (modules load
+    lazily, long after the drop). Raise :class:`PrivilegeError` naming the fix."""
+    paths = sysconfig.get_paths()
+    code = [Path(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    code.append(Path(__file__).resolve().parent)
+    require_access(user, code, os.R_OK | os.X_OK, "the Python installation SPACE runs from")
+
+
+def require_access(user: ServiceUser, paths: Iterable[Path], mode: int, what: str) -> None:
+    """After the drop: ``mode`` access to every path, or a :class:`PrivilegeError` naming the first
+    directory in the way."""
+    _require(user, paths, mode, what)
 
 
 def _require(user: ServiceUser, paths: Iterable[Path], mode: int, what: str) -> None:

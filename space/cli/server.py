@@ -68,6 +68,9 @@ def node_run(
     socket_group: Annotated[int | None, typer.Option(
         "--socket-group", help="GID that may connect to --socket (space serve's unprivileged API).")] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="Serve on HOST:PORT instead.")] = None,
+    user: Annotated[str, typer.Option(
+        "--user", envvar="SPACE_NODE_USER",
+        help="Drop to this user once the root helper runs ('root': keep root).")] = "space-node",
     node_id: Annotated[str, typer.Option("--node-id")] = "node-1",
     cache_dir: CacheDir = Path("/var/cache/space"),
     pool_size_gb: Annotated[int, typer.Option("--pool-size-gb")] = 64,
@@ -103,7 +106,7 @@ def node_run(
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
         die_with_parent=die_with_parent, object_store_url=object_store_url,
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
-        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group,
+        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
     ))
 
 

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -21,14 +22,20 @@ from space.node.app import create_node_app
 from space.node.egress import Egress
 from space.node.gateway import GatewayHandle
 from space.node.helper.backend import InProcess, Privileged
+from space.node.helper.launch import HelperProcess
 from space.node.helper.verbs import GatewayConfig, HelperContext
 from space.node.network import GatewayPorts, Network
+from space.node.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
 from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import WarmPool
 from space.objstore import ObjectStore
+from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
 from space.runtime.gvisor import GVisorDriver
+
+#: The node agent's own system user (scripts/setup-system.sh creates it, in group ``space``).
+NODE_USER = "space-node"
 
 log = structlog.get_logger("space.node")
 
@@ -73,6 +80,9 @@ class NodeSettings:
     #: A group that may connect to ``socket`` (its directory becomes 0710 root:group instead of
     #: 0700): the unprivileged API of ``space serve``. The other sockets there stay root's, 0600.
     socket_group: int | None = None
+    #: The user the agent drops to once its root helper runs (``$SPACE_NODE_USER``; "root": keep
+    #: root, with a warning). A missing user also keeps root, with a warning naming the fix.
+    user: str = dataclasses.field(default_factory=lambda: os.environ.get("SPACE_NODE_USER", NODE_USER))
     #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.
     gateway_hosts_file: Path | None = dataclasses.field(
         default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_HOSTS_FILE")) else None)
@@ -117,37 +127,112 @@ def _build_spawn_helper(d: Path) -> None:
     os.replace(tmp, out)
 
 
-async def build_node(settings: NodeSettings) -> tuple[Pool, TemplateStore, SandboxManager, WarmPool]:
+@dataclasses.dataclass
+class Node:
+    pool: Pool
+    templates: TemplateStore
+    manager: SandboxManager
+    warm: WarmPool
+    #: The root helper this agent started before dropping root (None: the agent stayed root).
+    helper: HelperProcess | None = None
+
+
+def node_user(settings: NodeSettings) -> ServiceUser | None:
+    """Who the agent becomes once its helper runs; None: it stays root (logged)."""
+    if os.geteuid() != 0:
+        raise PrivilegeError("the node agent must start as root: it starts the root helper, then drops")
+    try:
+        pw = pwd.getpwnam(settings.user)
+    except KeyError:
+        log.warning("node.runs_as_root", user=settings.user, reason="no such user",
+                    fix="scripts/setup-system.sh creates it (`make setup`)")
+        return None
+    if pw.pw_uid == 0:
+        log.warning("node.runs_as_root", user=settings.user,
+                    hint="every node operation then runs with root privileges; use --user space-node")
+        return None
+    return ServiceUser(name=pw.pw_name, uid=pw.pw_uid, gid=pw.pw_gid, home=pw.pw_dir)
+
+
+def prepare_channel_dir(settings: NodeSettings, owner: ServiceUser | None) -> None:
+    """The short-path directory of the node's sockets (node API, shims, gateway control, helper),
+    the agent's own: 0710 with the API's group when one may use the node socket, else 0700."""
+    d = channel_dir_for(settings.data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    uid = owner.uid if owner is not None else 0
+    os.chown(d, uid, settings.socket_group if settings.socket_group is not None else (owner.gid if owner else 0))
+    os.chmod(d, 0o700 if settings.socket_group is None else 0o710)
+
+
+async def build_node(settings: NodeSettings) -> Node:
+    """Open the pool and start the root helper (as root), hand the agent its state and drop to the
+    node user, then bring up the node's parts through the helper."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
+    user = node_user(settings)
+    ctx = helper_context(settings, pool.root, agent=user)
+    helper = None
+    priv: Privileged
+    if user is not None:
+        helper = HelperProcess(ctx, channel_dir_for(settings.data_dir) / "helper" / "helper.sock",
+                               agent_uid=user.uid, socket_gid=user.gid)
+        priv = await helper.start()
+        try:
+            give_node_state(settings.data_dir, pool.root, settings.cache_dir, user.uid, user.gid)
+            prepare_channel_dir(settings, user)
+            drop_privileges(user, groups=os.getgrouplist(user.name, user.gid))
+            if settings.die_with_parent:
+                _die_with_parent()  # a change of credentials clears the parent-death signal
+            require_code_access(user)
+            require_access(user, [settings.data_dir], os.X_OK, "its data directory")
+            require_access(user, [pool.root / a for a in AGENT_AREAS] + [channel_dir_for(settings.data_dir)]
+                           + [settings.cache_dir / c for c in AGENT_CACHE], os.R_OK | os.W_OK | os.X_OK,
+                           "its state")
+        except BaseException:
+            await helper.stop()
+            raise
+    else:
+        prepare_channel_dir(settings, None)
+        priv = InProcess(ctx)
+    pool.priv = priv
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
-    priv = pool.priv = node_privileged(settings, pool.root)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(
-        pool, templates, driver, guest_dir=guest_dir(), channel_dir=channel_dir_for(settings.data_dir),
+        pool, templates, driver, guest_dir=ctx.guest, channel_dir=channel_dir_for(settings.data_dir),
         objects=objects, egress=egress,
     )
     await manager.recover()
-    warm = WarmPool(manager, settings.data_dir / "warm-pool.json", concurrency=settings.warm_concurrency)
+    warm = WarmPool(manager, warm_pool_file(settings.data_dir), concurrency=settings.warm_concurrency)
     await warm.adopt()
-    return pool, templates, manager, warm
+    return Node(pool, templates, manager, warm, helper)
+
+
+def warm_pool_file(data_dir: Path) -> Path:
+    state = node_state_dir(data_dir)
+    state.mkdir(mode=0o700, exist_ok=True)
+    old = data_dir / "warm-pool.json"
+    if old.exists() and not (state / old.name).exists():
+        os.replace(old, state / old.name)  # where it was before the agent dropped root
+    return state / old.name
 
 
 def node_privileged(settings: NodeSettings, pool_root: Path) -> Privileged:
-    """How this agent runs privileged verbs: in this (root) process until the agent drops root."""
+    """Privileged verbs in this (root) process: ``space node teardown``."""
     return InProcess(helper_context(settings, pool_root))
 
 
-def helper_context(settings: NodeSettings, pool_root: Path) -> HelperContext:
+def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUser | None = None) -> HelperContext:
     gateway = None
     if settings.network:
         gateway = GatewayConfig(control=channel_dir_for(settings.data_dir) / "gateway.sock",
                                 ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
+                                control_group=agent.gid if agent is not None else None,
                                 hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
-                         guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway)
+                         guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
+                         agent_uid=agent.uid if agent is not None else None)
 
 
 def make_egress(settings: NodeSettings, priv: Privileged) -> Egress:
@@ -167,7 +252,8 @@ async def start_egress(settings: NodeSettings, priv: Privileged) -> Egress:
 async def serve_node(settings: NodeSettings) -> None:
     if settings.die_with_parent:
         _die_with_parent()
-    _pool, templates, manager, warm = await build_node(settings)
+    node = await build_node(settings)
+    templates, manager, warm = node.templates, node.manager, node.warm
     app = create_node_app(
         node_id=settings.node_id,
         token=settings.token,
@@ -178,13 +264,9 @@ async def serve_node(settings: NodeSettings) -> None:
         warm=warm,
     )
     if settings.socket is not None:
-        # uvicorn makes the socket world-writable: the 0700 (0710 with a group) directory guards it.
+        # uvicorn makes the socket world-writable: the 0700 (0710 with a group) directory guards it
+        # (prepare_channel_dir; the socket normally lives there).
         settings.socket.parent.mkdir(parents=True, exist_ok=True)
-        if settings.socket_group is None:
-            os.chmod(settings.socket.parent, 0o700)
-        else:
-            os.chown(settings.socket.parent, 0, settings.socket_group)
-            os.chmod(settings.socket.parent, 0o710)
         with contextlib.suppress(FileNotFoundError):
             settings.socket.unlink()
         config = uvicorn.Config(app, uds=str(settings.socket), log_level="warning", access_log=False,
@@ -200,13 +282,17 @@ async def serve_node(settings: NodeSettings) -> None:
     gateway_watch = asyncio.create_task(manager.watch_gateway())
     refill = asyncio.create_task(warm.run())
     serving = asyncio.create_task(server.serve())
+    helper_watch = asyncio.create_task(_exit_with_helper(node.helper, server))
     try:
         if settings.register_url:
             while not server.started and not serving.done():
                 await asyncio.sleep(0.02)
             await register_node(settings)
         await serving
+        if helper_watch.done() and helper_watch.result():
+            raise SystemExit(3)  # the supervisor restarts us, and we start a new helper
     finally:
+        helper_watch.cancel()
         monitor.cancel()
         refill.cancel()
         gateway_watch.cancel()
@@ -215,6 +301,19 @@ async def serve_node(settings: NodeSettings) -> None:
         await manager.close()
         if settings.socket is not None:
             settings.socket.unlink(missing_ok=True)
+        if node.helper is not None:
+            await node.helper.stop()
+
+
+async def _exit_with_helper(helper: HelperProcess | None, server: uvicorn.Server) -> bool:
+    """Stop serving if the root helper dies: without it this agent can do nothing, and an
+    unprivileged agent cannot start another one."""
+    if helper is None:
+        return False
+    code = await helper.wait()
+    log.error("helper.died", returncode=code)
+    server.should_exit = True
+    return True
 
 
 async def register_node(settings: NodeSettings) -> None:

@@ -69,7 +69,7 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def _spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
+async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
     """``create_subprocess_exec`` that a cancellation cannot split from its child: cancelled while
     the process is being started, it waits for the start and kills the new process group (asyncio
     alone would kill only the direct child, and leave a grandchild such as ``sleep`` running)."""
@@ -97,7 +97,7 @@ async def run(
     ``pass_fds`` are inherited by the command under the same numbers (``/proc/self/fd/N``).
     """
     started = time.monotonic()
-    proc = await _spawn(
+    proc = await spawn(
         *argv,
         stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -144,7 +144,7 @@ async def stream_lines(
     """Run ``argv`` and hand every line of its merged stdout/stderr to ``on_line``; return the exit
     code (the caller decides what a failure means and keeps whatever tail it wants to report)."""
     started = time.monotonic()
-    proc = await _spawn(
+    proc = await spawn(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -224,7 +224,7 @@ async def pipeline(
             else:
                 write_end = asyncio.subprocess.PIPE
             procs.append(
-                await _spawn(
+                await spawn(
                     *argv, stdin=read_end, stdout=write_end, stderr=asyncio.subprocess.PIPE,
                     start_new_session=True,
                 )

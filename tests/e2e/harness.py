@@ -222,6 +222,15 @@ class NodeAgent:
                             "--cache-dir", str(self.cache_dir)], check=True, capture_output=True, timeout=300)
 
 
+def node_scratch(prefix: str) -> Path:
+    """A scratch directory of its own for a further node's data and cache: its agent drops to the
+    node user, which must reach them (pytest's own directories are private)."""
+    SCRATCH.mkdir(mode=0o711, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=SCRATCH, prefix=prefix))
+    _open_to_service_user(scratch)
+    return scratch
+
+
 def _open_to_service_user(scratch: Path) -> None:
     """The server drops to its service user (``$SPACE_USER``, default ``space``) after starting its
     node agent: that user must pass through the (private, 0700) test directories to its data dir,

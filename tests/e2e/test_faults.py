@@ -20,8 +20,11 @@ pytestmark = pytest.mark.runtime
 def crashy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     """A server whose node agent dies (like SIGKILL) the first time it is about to commit an upload."""
     tmp = tmp_path_factory.mktemp("crashy")
-    marker = tmp / "crashed"
-    with own_server(tmp, env={"SPACE_FAILPOINTS": f"artifacts.before_manifest=crash-once:{marker}"}) as srv:
+    with own_server(tmp, start=False) as srv:
+        # In the server's scratch directory: the node agent (the node user) must be able to write it.
+        marker = srv.data_dir.parent / "crashed"
+        srv.env["SPACE_FAILPOINTS"] = f"artifacts.before_manifest=crash-once:{marker}"
+        srv.start()
         yield srv, marker
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tests.e2e.harness import (
     Server,
     create_sandbox,
     loop_devices,
+    node_scratch,
     own_server,
     wait_operation,
 )
@@ -90,7 +92,8 @@ def _delete(api: httpx.Client, sid: str) -> None:
 def extra_node(primary: Server, api: httpx.Client, node_id: str, tmp: Path) -> Iterator[NodeAgent]:
     """A node agent registered with ``primary``, sharing its object store but not its cache; on
     exit its sandboxes are deleted and its pool, loop device and sockets released."""
-    node = NodeAgent(node_id=node_id, data_dir=tmp / node_id, cache_dir=tmp / f"{node_id}-cache",
+    scratch = node_scratch(f"{node_id}-")
+    node = NodeAgent(node_id=node_id, data_dir=scratch / "data", cache_dir=scratch / "cache",
                      log_path=tmp / f"{node_id}.log", object_store_url=str(primary.data_dir / "objects"))
     try:
         node.start(primary)
@@ -104,6 +107,7 @@ def extra_node(primary: Server, api: httpx.Client, node_id: str, tmp: Path) -> I
             node.teardown()
         assert loop_devices(node.data_dir / "pool.img") == "", f"{node_id}'s loop device leaked"
         assert not channel_dir_for(node.data_dir).exists(), f"{node_id}'s socket directory leaked"
+        shutil.rmtree(scratch)
 
 
 def _assert_intact(api: httpx.Client, p: Parked, node: NodeAgent) -> None:

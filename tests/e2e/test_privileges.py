@@ -1,5 +1,6 @@
 """The privilege split of ``space serve``: the API and the controller run as the service user, the
-node agent (and its supervisor) as root, and the platform works end to end across that line."""
+node agent as the node user, only its supervisor and its root helper as root, and the platform
+works end to end across those lines."""
 
 from __future__ import annotations
 
@@ -49,13 +50,59 @@ def test_the_api_runs_as_the_service_user_and_cannot_get_root_back(server: Serve
     assert api["CapPrm"] == [0] and api["CapEff"] == [0] and api["NoNewPrivs"] == [1]
 
 
-def test_the_node_agent_and_its_supervisor_run_as_root(server: Server) -> None:
+@pytest.fixture(scope="module")
+def node_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(os.environ.get("SPACE_NODE_USER", "space-node"))
+    except KeyError:
+        pytest.fail("the node user is missing: scripts/setup-system.sh creates it")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_the_node_agent_runs_as_the_node_user_and_only_its_helper_as_root(
+        server: Server, user: pwd.struct_passwd, node_user: pwd.struct_passwd) -> None:
     assert server.proc is not None
-    node = _status(node_agent_pid(server))
-    assert node["Uid"] == [0] * 4 and node["Gid"] == [0] * 4
-    supervisor = node["PPid"][0]
+    agent_pid = node_agent_pid(server)
+    agent = _status(agent_pid)
+    assert agent["Uid"] == [node_user.pw_uid] * 4 and agent["Gid"] == [node_user.pw_gid] * 4
+    # Its own group and the deployment's (to pass through the data dir and share the object store).
+    assert set(agent["Groups"]) <= {node_user.pw_gid, user.pw_gid} and 0 not in agent["Groups"]
+    assert agent["CapPrm"] == [0] and agent["CapEff"] == [0] and agent["NoNewPrivs"] == [1]
+    helpers = [c for c in _children(agent_pid) if b"space.node.helper" in _cmdline(c)]
+    assert len(helpers) == 1
+    assert _status(helpers[0])["Uid"] == [0] * 4
+    assert f"--agent-uid\x00{node_user.pw_uid}\x00".encode() in _cmdline(helpers[0])
+    supervisor = agent["PPid"][0]
     assert _status(supervisor)["Uid"] == [0] * 4
     assert _status(supervisor)["PPid"] == [server.proc.pid]
+
+
+def test_the_helper_answers_the_node_user_and_root_only(server: Server, node_user: pwd.struct_passwd) -> None:
+    sock = channel_dir_for(server.data_dir) / "helper" / "helper.sock"
+    probe = ("import socket,struct,json,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+             "b=json.dumps({'verb':'helper.ping','args':{},'timeout':5,'fds':[]}).encode(); "
+             "s.sendall(struct.pack('>I',len(b))+b); print(len(s.recv(65536)))")
+    import subprocess
+    import sys
+    # The API's user cannot even reach the socket (its directory is root:space-node 0750) ...
+    api_user = pwd.getpwnam(os.environ.get("SPACE_USER", "space"))
+    api = subprocess.run([sys.executable, "-c", probe, str(sock)], user=api_user.pw_uid, group=api_user.pw_gid,
+                         extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert api.returncode != 0 and "PermissionError" in api.stderr, api
+    # ... and the node user gets an answer.
+    agent = subprocess.run([sys.executable, "-c", probe, str(sock)], user=node_user.pw_uid,
+                           group=node_user.pw_gid, extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert agent.returncode == 0 and int(agent.stdout) > 4, agent
 
 
 def test_what_the_api_writes_is_the_users_and_nothing_more(server: Server, user: pwd.struct_passwd) -> None:
@@ -71,15 +118,25 @@ def test_what_the_api_writes_is_the_users_and_nothing_more(server: Server, user:
         assert (f.st_uid, stat.S_IMODE(f.st_mode)) == (user.pw_uid, 0o600), name
     token = (data / "node.token").stat()
     assert (token.st_uid, stat.S_IMODE(token.st_mode)) == (0, 0o600)
-    for p in ("pool.img", "runsc"):
-        assert (data / p).stat().st_uid == 0
-    # The node socket's directory admits the user's group; the other sockets there are root's alone.
+    assert (data / "pool.img").stat().st_uid == 0
+    for p in ("runsc", "bundles"):  # the helper's, made at the first sandbox
+        if (data / p).exists():
+            st = (data / p).stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700), p
+    # The node socket's directory is the agent's and admits the API's group; nothing else there
+    # is open to that group or to anyone else.
+    node_uid = pwd.getpwnam(os.environ.get("SPACE_NODE_USER", "space-node")).pw_uid
     chan = channel_dir_for(data)
     cs = chan.stat()
-    assert (cs.st_uid, cs.st_gid, stat.S_IMODE(cs.st_mode)) == (0, user.pw_gid, 0o710)
-    for sock in chan.iterdir():
-        if sock.name != "node.sock":
-            assert sock.stat().st_uid == 0 and stat.S_IMODE(sock.stat().st_mode) & 0o077 == 0, sock
+    assert (cs.st_uid, cs.st_gid, stat.S_IMODE(cs.st_mode)) == (node_uid, user.pw_gid, 0o710)
+    for entry in chan.iterdir():
+        if entry.name != "node.sock":
+            st = entry.stat()
+            assert st.st_uid in (0, node_uid) and stat.S_IMODE(st.st_mode) & 0o007 == 0, entry
+            assert st.st_gid != user.pw_gid or stat.S_IMODE(st.st_mode) & 0o070 == 0, entry
+    # The pool is the node's: the API's user cannot list a sandbox's files.
+    pool = (data / "pool" / "sandboxes").stat()
+    assert (pool.st_uid, stat.S_IMODE(pool.st_mode)) == (node_uid, 0o750) and pool.st_gid != user.pw_gid
     objects = data / "objects"
     assert acl_groups(objects) == {user.pw_gid: 7} and acl_groups(objects, default=True) == {user.pw_gid: 7}
 
@@ -91,13 +148,14 @@ def test_the_api_works_end_to_end(api: httpx.Client, server: Server) -> None:
         r = api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/f.txt"}, content=b"across")
         assert r.status_code in (200, 201), r.text
         assert api.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/f.txt"}).content == b"across"
-        # Suspend: the node agent (root) writes the snapshot into the object store ...
+        # Suspend: the node agent (the node user) writes the snapshot into the object store ...
         r = api.post(f"/v1/sandboxes/{sid}/suspend")
         assert r.status_code == 202, r.text
         assert wait_operation(api, r.json()["operation"]["id"], timeout=300)["status"] == "succeeded"
         shipped = server.data_dir / "objects" / "tenants" / "default" / "sandboxes" / sid
         files = [p for p in shipped.rglob("*") if p.is_file()]
-        assert files and all(p.stat().st_uid == 0 for p in files)
+        node_uid = pwd.getpwnam(os.environ.get("SPACE_NODE_USER", "space-node")).pw_uid
+        assert files and all(p.stat().st_uid == node_uid for p in files)
     finally:
         d = api.delete(f"/v1/sandboxes/{sid}")
     assert d.status_code == 202, d.text

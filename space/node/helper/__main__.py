@@ -87,6 +87,14 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.parent_pid is not None:
+        # The parent-death signal alone is not enough: the agent drops root after starting us, and
+        # the kernel then drops its dying signal to a root process on the floor (permission check).
+        try:
+            parent = os.pidfd_open(args.parent_pid)
+        except ProcessLookupError:
+            return
+        loop.add_reader(parent, stop.set)
     server = await serve(ctx, args.socket, agent_uid=args.agent_uid, allow_root=args.allow_root,
                          socket_gid=args.socket_group)
     log.info("helper.started", pid=os.getpid(), verbs=sorted(verbs.REGISTRY))

@@ -107,19 +107,23 @@ class Verb:
     cap: float  # seconds: the most a caller may ask for as its timeout
     fds: tuple[str, ...] = ()  # roles of the fds it accepts
     streaming: bool = False
+    #: Logged at info (the node's record of privileged operations); False for polled read-only
+    #: verbs (a gateway liveness check every 2 s), which are logged at debug.
+    audit: bool = True
 
 
 REGISTRY: dict[str, Verb] = {}
 
 
-def verb(name: str, args: type[A], *, cap: float, fds: tuple[str, ...] = (),
-         streaming: bool = False) -> Callable[[Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]],
-                                               Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]]:
-    def register(fn: Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]
-                 ) -> Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]:
+VerbImpl = Callable[[HelperContext, A, Call], Awaitable[dict[str, Any]]]
+
+
+def verb(name: str, args: type[A], *, cap: float, fds: tuple[str, ...] = (), streaming: bool = False,
+         audit: bool = True) -> Callable[[VerbImpl[A]], VerbImpl[A]]:
+    def register(fn: VerbImpl[A]) -> VerbImpl[A]:
         if name in REGISTRY:
             raise RuntimeError(f"verb {name} registered twice")
-        REGISTRY[name] = Verb(name, args, fn, cap, fds, streaming)
+        REGISTRY[name] = Verb(name, args, fn, cap, fds, streaming, audit)
         return fn
     return register
 

@@ -22,7 +22,7 @@ class NoArgs:
     pass
 
 
-@verb("helper.ping", NoArgs, cap=5)
+@verb("helper.ping", NoArgs, cap=5, audit=False)
 async def helper_ping(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     """Readiness, and which verbs this helper serves."""
     return {"pid": os.getpid(), "verbs": sorted(verbs.REGISTRY)}

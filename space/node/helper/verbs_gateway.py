@@ -44,7 +44,7 @@ async def gateway_ensure(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str,
         await p.client.close()
 
 
-@verb("gateway.alive", NoArgs, cap=10)
+@verb("gateway.alive", NoArgs, cap=10, audit=False)
 async def gateway_alive(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     return {"alive": _process(ctx).alive()}
 

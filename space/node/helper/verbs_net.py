@@ -178,7 +178,7 @@ async def net_setup(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]
     return _describe(n, slot)
 
 
-@verb("net.describe", NoArgs, cap=10)
+@verb("net.describe", NoArgs, cap=10, audit=False)
 async def net_describe(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     n = NodeNet(ctx)
     return _describe(n, n.slot())

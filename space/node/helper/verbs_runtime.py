@@ -33,13 +33,19 @@ from space.runtime.oci import build_spec
 log = structlog.get_logger(__name__)
 
 INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}-[a-z0-9]{5}")
-#: runsc 20240729 refuses --network=sandbox in any namespace on this kernel: its "root network
-#: namespace" test looks for a file under /proc/sys/net that newer kernels show in every namespace
-#: (gVisor #10704). A private mount namespace with an empty read-only /proc/sys/net hides it from
-#: the runsc process that sets the sandbox up (RUNTIME_NOTES); the sandbox itself is unaffected.
-NETSTACK_WRAPPER = (
-    "unshare", "--mount", "--propagation", "private", "sh", "-c",
-    'mount -t tmpfs -o ro,size=4k tmpfs /proc/sys/net && exec "$@"', "runsc-netstack",
+#: How runsc is started for ``run`` and ``restore``, in a private mount namespace of its own:
+#: - runsc 20240729 refuses --network=sandbox in any namespace on this kernel: its "root network
+#:   namespace" test looks for a file under /proc/sys/net that newer kernels show in every
+#:   namespace (gVisor #10704); an empty read-only /proc/sys/net hides it (RUNTIME_NOTES);
+#: - the sandbox's root is bind-mounted onto the bundle from the descriptor the helper opened and
+#:   checked (``$1``), then that descriptor is closed: runsc never walks the agent-owned path, so a
+#:   directory swapped for a symlink after the check cannot become a sandbox's root.
+#: Both mounts live only in that namespace (the sandbox's processes keep it; the host never sees it).
+LAUNCHER = (
+    "unshare", "--mount", "--propagation", "private", "bash", "-c",
+    'root=$1 bundle=$2; shift 2; mount -t tmpfs -o ro,size=4k tmpfs /proc/sys/net'
+    ' && mount --bind "/proc/self/fd/$root" "$bundle/rootfs" && exec {root}<&- "$@"',
+    "runsc-launch",
 )
 #: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
 FREEZER = Path("/sys/fs/cgroup/freezer/space")
@@ -106,9 +112,10 @@ def _thaw(instance: str) -> None:
         (FREEZER / instance / "freezer.state").write_text("THAWED")
 
 
-def resolve_dir(base: Path, *parts: str, subvolume: bool = False) -> Path:
-    """``base/parts...`` walked one component at a time without following a symlink: every
-    component must be a real directory (the last a subvolume root when asked)."""
+def open_dir(base: Path, *parts: str, subvolume: bool = False) -> int:
+    """An ``O_PATH`` descriptor of ``base/parts...``, walked one component at a time without
+    following a symlink: every component must be a real directory (the last a subvolume root when
+    asked). The caller closes it."""
     fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts:
@@ -123,8 +130,15 @@ def resolve_dir(base: Path, *parts: str, subvolume: bool = False) -> Path:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode) or (subvolume and st.st_ino != _SUBVOLUME_INO):
             raise InvalidPath(f"{'/'.join(parts)} is not a subvolume")
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def resolve_dir(base: Path, *parts: str, subvolume: bool = False) -> Path:
+    """``base/parts...`` checked like :func:`open_dir`."""
+    os.close(open_dir(base, *parts, subvolume=subvolume))
     return base.joinpath(*parts)
 
 
@@ -166,27 +180,38 @@ async def runtime_launch(ctx: HelperContext, a: LaunchArgs, call: Call) -> dict[
     restore = a.kind == "restore"
     if restore != (a.image_sandbox is not None and a.image_snapshot is not None):
         raise InvalidRequest("a restore and only a restore names its image (image_sandbox, image_snapshot)")
-    rootfs = resolve_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)
+    rootfs_fd = open_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)
+    try:
+        return await _launch(ctx, r, a, call, rootfs_fd)
+    finally:
+        os.close(rootfs_fd)
+
+
+async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootfs_fd: int) -> dict[str, Any]:
+    restore = a.kind == "restore"
     extra: list[str] = []
     if restore:
         assert a.image_sandbox is not None and a.image_snapshot is not None
         image = resolve_dir(ctx.pool, "sandboxes", a.image_sandbox, "snapshots", a.image_snapshot, "checkpoint")
         extra = ["--image-path", str(image)]
     netns = Path(f"/var/run/netns/{NodeNet(ctx).sandbox(a.net)['netns']}") if a.net is not None else None
-    r.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    r.bundles.mkdir(mode=0o700, exist_ok=True)
+    for d in (r.root, r.bundles):  # runsc's state and the specs: root's alone
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
     bundle = r.bundles / a.instance
     shutil.rmtree(bundle, ignore_errors=True)
     bundle.mkdir(mode=0o700)
-    spec = InstanceSpec(sandbox_id=a.sandbox, instance_id=a.instance, rootfs=rootfs, workdir=bundle,
+    (bundle / "rootfs").mkdir(mode=0o700)  # the mount point of the root (see LAUNCHER)
+    spec = InstanceSpec(sandbox_id=a.sandbox, instance_id=a.instance, rootfs=bundle / "rootfs", workdir=bundle,
                         guest_dir=ctx.guest, channel_dir=bundle, cpu=a.cpu, memory_mb=a.memory_mb,
                         hostname=a.sandbox[:12], cpu_shares=a.cpu_shares, netns=netns)
     (bundle / "config.json").write_text(json.dumps(build_spec(spec)))
-    argv = [*NETSTACK_WRAPPER, *r.cmd(a.kind, "--detach", *extra, "--bundle", str(bundle),
-                                        "--pid-file", str(bundle / "sandbox.pid"), a.instance)]
-    proc = await asyncio.create_subprocess_exec(
+    argv = [*LAUNCHER, str(rootfs_fd), str(bundle),
+            *r.cmd(a.kind, "--detach", *extra, "--bundle", str(bundle),
+                   "--pid-file", str(bundle / "sandbox.pid"), a.instance)]
+    proc = await privileged.spawn(
         *argv, stdin=call.fds["stdin"], stdout=call.fds["stdout"], stderr=call.fds["stderr"],
-        start_new_session=True)
+        start_new_session=True, pass_fds=(rootfs_fd,))
     try:
         rc = await proc.wait()
     except BaseException:
@@ -274,7 +299,24 @@ async def runtime_checkpoint(ctx: HelperContext, a: CheckpointArgs, call: Call) 
             raise InsufficientStorage(f"no room in the pool for the memory image of {a.instance}",
                                       instance=a.instance) from None
         raise
+    _give_image(ctx, image)
     return {}
+
+
+def _give_image(ctx: HelperContext, image: Path) -> None:
+    """The memory image to the agent, which ships it (runsc wrote it as root, 0644); the sandbox's
+    directory, not the image's mode, keeps everyone else out."""
+    if ctx.agent_uid is None or ctx.agent_uid == 0:
+        return
+    fd = os.open(image, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, ctx.agent_uid, -1)
+        for name in os.listdir(fd):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                os.chown(name, ctx.agent_uid, -1, dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
 
 
 @verb("runtime.kill", InstanceArgs, cap=30)
@@ -317,7 +359,7 @@ async def _state(r: Runsc, instance: str) -> str | None:
         return "unknown"
 
 
-@verb("runtime.state", InstanceArgs, cap=30)
+@verb("runtime.state", InstanceArgs, cap=30, audit=False)
 async def runtime_state(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[str, Any]:
     return {"status": await _state(Runsc(ctx), a.instance)}
 
@@ -327,7 +369,7 @@ class NoArgs:
     pass
 
 
-@verb("runtime.list", NoArgs, cap=60)
+@verb("runtime.list", NoArgs, cap=60, audit=False)
 async def runtime_list(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     r = Runsc(ctx)
     known = r.known()

@@ -1,0 +1,92 @@
+"""The node agent starts its root helper (``python -m space.node.helper``) as a child while it is
+still root, waits until it answers, and then talks to it only through :class:`HelperClient`.
+
+The helper dies with the agent (``PR_SET_PDEATHSIG`` in the helper) and the agent exits when the
+helper dies (:meth:`HelperProcess.wait`): the supervisor then restarts the agent, which starts a
+new helper. Sandboxes and the gateway live in their own sessions and survive both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import structlog
+
+from space.errors import Unavailable
+from space.node.helper.rpc import HelperClient
+from space.node.helper.verbs import HelperContext
+
+log = structlog.get_logger(__name__)
+
+STOP_GRACE = 10.0
+
+
+class HelperProcess:
+    def __init__(self, ctx: HelperContext, socket_path: Path, *, agent_uid: int, socket_gid: int) -> None:
+        self.ctx = ctx
+        self.socket_path = socket_path
+        self.agent_uid = agent_uid
+        self.socket_gid = socket_gid
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = HelperClient(socket_path)
+
+    def argv(self) -> list[str]:
+        c = self.ctx
+        argv = [sys.executable, "-m", "space.node.helper", "--data-dir", str(c.data_dir),
+                "--cache-dir", str(c.cache_dir), "--pool-root", str(c.pool), "--guest-dir", str(c.guest),
+                "--gateway-ports", ",".join(map(str, c.gateway_ports)), "--runsc", c.runsc,
+                "--socket", str(self.socket_path), "--agent-uid", str(self.agent_uid),
+                "--socket-group", str(self.socket_gid), "--parent-pid", str(os.getpid())]
+        # Root may call too: the agent pings it before dropping, and root gains nothing by it.
+        argv.append("--allow-root")
+        if c.gateway is not None:
+            argv += ["--gateway-config", json.dumps(c.gateway.to_json())]
+        return argv
+
+    async def start(self, *, timeout: float = 30.0) -> HelperClient:
+        """Start the helper and return its client once it answers ``helper.ping``."""
+        d = self.socket_path.parent
+        d.mkdir(mode=0o750, parents=True, exist_ok=True)
+        os.chown(d, 0, self.socket_gid)
+        os.chmod(d, 0o750)
+        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, cwd="/")  # noqa: ASYNC220
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise Unavailable(f"the root helper exited at start (exit {self.proc.returncode})")
+            if self.socket_path.exists():
+                with contextlib.suppress(Unavailable):
+                    res = await self.client.call("helper.ping", timeout=5)
+                    log.info("helper.ready", pid=res["pid"], verbs=len(res["verbs"]))
+                    return self.client
+            if loop.time() > deadline:
+                await self.stop()
+                raise Unavailable(f"the root helper did not answer within {timeout:g}s")
+            await asyncio.sleep(0.02)
+
+    async def wait(self) -> int:
+        """Until the helper exits; its exit code."""
+        assert self.proc is not None
+        proc = self.proc
+        while (code := proc.poll()) is None:
+            await asyncio.sleep(0.5)
+        return code
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(proc.wait), STOP_GRACE)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                proc.kill()
