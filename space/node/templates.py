@@ -390,7 +390,7 @@ class TemplateStore:
             name=spec["name"],
             digest=digest,
             path=final,
-            size_bytes=await asyncio.to_thread(_tree_bytes, final),
+            size_bytes=(await self.pool.priv.call("tree.size", {"rel": shipping.pool_rel(self.pool, final)}))["bytes"],
             created_at=datetime.now(UTC),
             spec=spec,
             source=source,
@@ -471,16 +471,6 @@ def _read_manifest(path: Path) -> TemplateInfo | None:
 
 def _file_bytes(path: Path) -> int:
     return path.stat().st_size
-
-
-def _tree_bytes(top: Path) -> int:
-    """Apparent size of the files in ``top`` (what a user would call the template's size)."""
-    total = 0
-    for dirpath, _, filenames in os.walk(top):
-        for name in filenames:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
 
 
 # -- the default builder: debootstrap ------------------------------------------------------------

@@ -134,6 +134,24 @@ async def test_create_snapshot_flags_and_du(priv: InProcess, btrfs_pool: Pool, c
     assert not (root / "sandboxes/hv-verbs").exists()
 
 
+async def test_tree_size_counts_regular_files_beneath_only(priv: InProcess, btrfs_pool: Pool, tmp_path: Path,
+                                                          cleanup: list[str]) -> None:
+    root = btrfs_pool.root
+    cleanup.append("tmp/hv-size")
+    await priv.call("subvol.create", {"rel": "tmp/hv-size"})
+    (root / "tmp/hv-size/a").write_bytes(b"x" * 1000)
+    (root / "tmp/hv-size/d/e").mkdir(parents=True)
+    (root / "tmp/hv-size/d/e/b").write_bytes(b"y" * 234)
+    os.chmod(root / "tmp/hv-size/d", 0)  # unreadable to anyone but root: still counted
+    outside = tmp_path / "big"
+    outside.write_bytes(b"z" * 100_000)
+    (root / "tmp/hv-size/link").symlink_to(outside)  # never followed
+    (root / "tmp/hv-size/dirlink").symlink_to(tmp_path)
+    assert await priv.call("tree.size", {"rel": "tmp/hv-size"}) == {"bytes": 1234}
+    with pytest.raises(InvalidPath):
+        await priv.call("tree.size", {"rel": "tmp/hv-size/dirlink"})
+
+
 async def test_snapshot_and_create_never_overwrite(priv: InProcess, btrfs_pool: Pool, cleanup: list[str]) -> None:
     root = btrfs_pool.root
     cleanup += ["tmp/hv-ow-src", "tmp/hv-ow-dst", "tmp/hv-ow-file"]

@@ -8,6 +8,7 @@ mount planted in the agent-owned part of the pool can redirect a root operation 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import re
@@ -343,3 +344,41 @@ async def subvol_du(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, 
         return {"exclusive_bytes": int(lines[1].split()[1])}
     except (IndexError, ValueError):
         return {"exclusive_bytes": None}
+
+
+def _apparent_bytes(top: int) -> int:
+    """Apparent size of the regular files beneath the directory fd ``top`` (closed here), walked by
+    descriptor: no symlink followed, no other filesystem entered."""
+    total = 0
+    dev = os.fstat(top).st_dev
+    stack = [top]
+    try:
+        while stack:
+            fd = stack.pop()
+            try:
+                for name in os.listdir(fd):
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_size
+                    elif stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                        with contextlib.suppress(OSError):
+                            stack.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                                 | os.O_CLOEXEC, dir_fd=fd))
+            finally:
+                os.close(fd)
+    finally:
+        for fd in stack:
+            os.close(fd)
+    return total
+
+
+@verb("tree.size", RelArgs, cap=300)
+async def tree_size(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    """Apparent size of the files in ``rel`` (a template's size as a user would count it; the agent
+    cannot read all of a guest's files)."""
+    with PoolRoot.open(pool_root_of(ctx)) as pool, pool.resolve(args.rel) as r:
+        fd = r.open()
+    return {"bytes": await asyncio.to_thread(_apparent_bytes, fd)}
