@@ -11,6 +11,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 from pathlib import Path
 
@@ -162,6 +163,17 @@ def prepare_channel_dir(settings: NodeSettings, owner: ServiceUser | None) -> No
     uid = owner.uid if owner is not None else 0
     os.chown(d, uid, settings.socket_group if settings.socket_group is not None else (owner.gid if owner else 0))
     os.chmod(d, 0o700 if settings.socket_group is None else 0o710)
+    if owner is not None:
+        # Shims started by an agent that ran as root (before an upgrade) keep serving their
+        # sandboxes' channels: their sockets become the agent's, or it could not reach them.
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in os.listdir(fd):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISSOCK(st.st_mode) and name not in ("node.sock", "gateway.sock") and st.st_uid == 0:
+                    os.chown(name, owner.uid, owner.gid, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
 
 
 async def build_node(settings: NodeSettings) -> Node:

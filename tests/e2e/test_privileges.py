@@ -162,3 +162,30 @@ def test_the_api_works_end_to_end(api: httpx.Client, server: Server) -> None:
     assert wait_operation(api, d.json()["operation"]["id"])["status"] == "succeeded"
     # ... and the API (the service user) deletes it with the sandbox.
     wait_for(lambda: not shipped.exists(), 60, "the suspended sandbox's objects to be deleted")
+
+
+def test_a_node_that_ran_as_root_hands_its_running_sandboxes_over(fresh_server: Server,
+                                                                  node_user: pwd.struct_passwd) -> None:
+    """An upgrade: the node agent ran as root (before the split); restarted, it drops to the node
+    user and keeps serving the sandboxes that root started, their running commands included."""
+    srv = fresh_server
+    srv.env["SPACE_NODE_USER"] = "root"
+    srv.start()
+    with srv.client() as api:
+        assert _status(node_agent_pid(srv))["Uid"] == [0] * 4
+        sid = create_sandbox(api)
+        assert run(api, sid, {"shell": "echo kept > /home/user/state.txt"})[0] == 0
+        bg = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "sleep 1000"}).json()["id"]
+    srv.stop()
+    del srv.env["SPACE_NODE_USER"]
+    srv.start()
+    with srv.client() as api:
+        assert _status(node_agent_pid(srv))["Uid"] == [node_user.pw_uid] * 4
+        assert run(api, sid, {"cmd": ["cat", "/home/user/state.txt"]})[:2] == (0, b"kept\n")
+        cmds = {c["id"]: c for c in api.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]}
+        assert cmds[bg]["state"] == "running"
+        r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "full"})
+        assert r.status_code == 202, r.text
+        assert wait_operation(api, r.json()["operation"]["id"], timeout=300)["status"] == "succeeded"
+        d = api.delete(f"/v1/sandboxes/{sid}")
+        assert wait_operation(api, d.json()["operation"]["id"])["status"] == "succeeded"

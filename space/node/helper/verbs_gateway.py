@@ -4,13 +4,20 @@ gateway through its control socket only."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
 
 from space.errors import Conflict
 from space.node.gateway import GatewayProcess
 from space.node.helper.verbs import Call, HelperContext, verb
 from space.node.helper.verbs_net import NodeNet
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,23 @@ async def gateway_ensure(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str,
         raise Conflict("the node's network is not set up (net.setup first)")
     try:
         await p.ensure()
-        return {"pid": p.pid}
     finally:
         await p.client.close()
+    _admit_agent(ctx)
+    return {"pid": p.pid}
+
+
+def _admit_agent(ctx: HelperContext) -> None:
+    """The control socket belongs to the agent's group: an adopted gateway may have been started for
+    an agent that ran as root (before an upgrade), whose group it got."""
+    cfg = ctx.gateway
+    if cfg is None or cfg.control_group is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(cfg.control)
+        if stat.S_ISSOCK(st.st_mode) and st.st_gid != cfg.control_group:
+            os.lchown(cfg.control, -1, cfg.control_group)
+            log.info("gateway.control_regrouped", group=cfg.control_group)
 
 
 @verb("gateway.alive", NoArgs, cap=10, audit=False)
