@@ -87,7 +87,7 @@ def _runsc_create_start(b: Bench, sid: str, n: int) -> list[float]:
     template, timed until ``start`` returns; removed after each round."""
     sb = b.get(f"/v1/sandboxes/{sid}")
     inst = sb["instance_id"]
-    spec = json.loads((b.pool / "sandboxes" / sid / "instances" / inst / "bundle" / "config.json").read_text())
+    spec = json.loads((b.srv.data_dir / "bundles" / inst / "config.json").read_text())  # the helper's
     template = next(p for p in sorted((b.pool / "templates").glob("base@*")) if p.is_dir())
     out: list[float] = []
     for _ in range(n):

@@ -308,7 +308,7 @@ def _restore_cost(b: Bench, base: Baselines, sid: str, n: int) -> dict[str, Any]
     under a new id (baseline root, own cgroup, a snapshot of its root), n times: wall time, the CLI's
     CPU and the restored sandbox's CPU until restore returned."""
     inst = b.instance(sid)
-    spec = json.loads((b.pool / "sandboxes" / sid / "instances" / inst / "bundle" / "config.json").read_text())
+    spec = json.loads((b.srv.data_dir / "bundles" / inst / "config.json").read_text())  # the helper's
     img = b.scratch / f"density-img-{base.tag}"
     img.mkdir()
     wall: list[float] = []
@@ -376,8 +376,7 @@ def bench_density(b: Bench, plan: Plan, log: Callable[[str], None] = print) -> d
             ids.append(b.sandbox())
         space = [_space_box(b, sid) for sid in ids]
         first = space[0]
-        inst_dir = b.pool / "sandboxes" / ids[0] / "instances" / first.name
-        spec = json.loads((inst_dir / "bundle" / "config.json").read_text())
+        spec = json.loads((b.srv.data_dir / "bundles" / first.name / "config.json").read_text())  # the helper's
         digest = str(b.get(f"/v1/sandboxes/{ids[0]}")["template_digest"])[:16]
         template = next(p for p in (b.pool / "templates").iterdir() if p.name.endswith(f"@{digest}"))
         base = Baselines(b, spec, template)

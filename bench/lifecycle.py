@@ -317,7 +317,7 @@ def _raw_checkpoint_restore(b: Bench, sid: str) -> dict[str, Any]:
         ckpt_ms = ms_since(t0)
         subprocess.run(["btrfs", "-q", "subvolume", "snapshot", str(b.root(sid)), str(root_copy)], check=True,
                        capture_output=True)
-        spec = json.loads((b.pool / "sandboxes" / sid / "instances" / inst / "bundle" / "config.json").read_text())
+        spec = json.loads((b.srv.data_dir / "bundles" / inst / "config.json").read_text())  # the helper's
         spec["root"]["path"] = str(root_copy)
         spec["linux"]["cgroupsPath"] = f"/space/{new_id}"
         bundle.mkdir()
