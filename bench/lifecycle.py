@@ -385,7 +385,7 @@ def bench_full_checkpoint(b: Bench, mem_sizes_mb: tuple[int, ...], n: int) -> di
             ok = [r for r in raw if "error" not in r]
             raw_ckpt = [float(r["checkpoint_ms"]) for r in raw]
             raw_restore = [float(r["restore_ms"]) for r in ok]
-            keys = rb_timings[0].keys() if rb_timings else []
+            keys = sorted(set.intersection(*(set(t) for t in rb_timings))) if rb_timings else []
             out[str(mem)] = {
                 "snapshot_ms": summary(snap_ms), "rollback_ms": summary(rb_ms),
                 "freeze_ms": summary(freeze), "node_took_ms": summary(took),
@@ -512,7 +512,8 @@ def bench_suspend_restore(b: Bench, n: int, change_mb: int, naive_n: int) -> dic
     sus = [r["suspend_ms"] for r in reps]
     res = [r["restore_ms"] for r in reps]
     up = [float(r["uploaded_bytes"]) for r in reps]
-    keys = reps[0]["restore_timings"].keys() if reps else []
+    # Only what every restore reported (a restore that had nothing to wait for leaves keys out).
+    keys = sorted(set.intersection(*(set(r["restore_timings"]) for r in reps))) if reps else []
     naive_ms = [x["upload_ms"] for x in naive]
     naive_rt = [x["upload_ms"] + x["download_ms"] for x in naive]
     naive_bytes = naive[0]["bytes"]
