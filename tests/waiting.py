@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -34,3 +35,22 @@ async def await_for(predicate: Callable[[], Awaitable[T]], timeout: float, what:
                 await asyncio.sleep(interval)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+async def await_exit(pid: int, timeout: float = 30.0) -> None:
+    """Until process ``pid`` has exited (its pidfd turns readable then), failing at the deadline."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    loop.add_reader(fd, exited.set)
+    try:
+        async with asyncio.timeout(timeout):
+            await exited.wait()
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for process {pid} to exit") from None
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

@@ -23,7 +23,6 @@ import os
 import re
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from space.errors import InvalidPath, InvalidRequest, NotFound, RuntimeFailure
 from space.node import privileged
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.verbs import HelperContext
+from space.node.mountinfo import Mount, mounts
 
 log = structlog.get_logger(__name__)
 
@@ -93,36 +93,16 @@ async def file_lock(
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class _Mount:
-    target: str
-    fstype: str
-    source: str
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _mounts() -> list[_Mount]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        out.append(_Mount(_unescape(fields[4]), tail[0], _unescape(tail[1])))
-    return out
-
-
-def _mount_at(path: Path) -> _Mount | None:
-    found = [m for m in _mounts() if m.target == str(path)]
+def _mount_at(path: Path) -> Mount | None:
+    found = [m for m in mounts() if m.target == str(path)]
     return found[-1] if found else None  # the top of a stack of mounts is what the path shows
 
 
 def _fstype_of(path: Path) -> str:
     """Filesystem type of the mount that contains ``path`` (longest mount-point prefix wins)."""
     target = os.path.realpath(path)
-    best: _Mount | None = None
-    for m in _mounts():
+    best: Mount | None = None
+    for m in mounts():
         prefix = m.target.rstrip("/") + "/"
         if (target == m.target or target.startswith(prefix) or m.target == "/") and (
             best is None or len(m.target) >= len(best.target)

@@ -22,7 +22,8 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.pool import Pool, _mounts
+from space.node.mountinfo import mounts
+from space.node.pool import Pool
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]
 
@@ -36,7 +37,7 @@ def is_subvolume(path: Path) -> bool:
 
 def mounted_beneath(path: Path) -> list[str]:
     prefix = str(path) + "/"
-    return [m.target for m in _mounts() if m.target == str(path) or m.target.startswith(prefix)]
+    return [m.target for m in mounts() if m.target == str(path) or m.target.startswith(prefix)]
 
 
 def mount(*args: str) -> None:

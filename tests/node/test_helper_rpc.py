@@ -34,7 +34,7 @@ from space.node import privileged
 from space.node.helper import verbs
 from space.node.helper.rpc import HelperClient, HelperServer, serve
 from space.node.helper.verbs import Call, HelperContext, verb
-from tests.waiting import await_for
+from tests.waiting import await_exit, await_for
 
 pytestmark = pytest.mark.anyio
 
@@ -153,23 +153,6 @@ def open_dir() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d)
-
-
-async def wait_gone(pid: int) -> None:
-    """Until ``pid`` has exited: its pidfd turns readable at exit."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    loop = asyncio.get_running_loop()
-    exited = asyncio.Event()
-    loop.add_reader(fd, exited.set)
-    try:
-        async with asyncio.timeout(DEADLINE):
-            await exited.wait()
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
 
 
 def write_pids(path: str, line: str) -> None:
@@ -296,7 +279,7 @@ async def test_a_timeout_kills_the_process_group(served: tuple[HelperServer, Hel
         await client.call(names.sleep, {"path": str(pidfile)}, timeout=2)
     assert excinfo.value.details == {"verb": names.sleep}
     for pid in await recorded_pids(pidfile):
-        await wait_gone(pid)
+        await await_exit(pid)
 
 
 async def test_cancelling_the_client_kills_the_child(served: tuple[HelperServer, HelperClient], names: Names,
@@ -309,7 +292,7 @@ async def test_cancelling_the_client_kills_the_child(served: tuple[HelperServer,
     with pytest.raises(asyncio.CancelledError):
         await task
     for pid in pids:
-        await wait_gone(pid)
+        await await_exit(pid)
 
 
 async def test_stopping_the_server_kills_calls_in_flight(tmp_path: Path, names: Names) -> None:
@@ -323,7 +306,7 @@ async def test_stopping_the_server_kills_calls_in_flight(tmp_path: Path, names: 
     with pytest.raises(Unavailable, match="without a reply"):
         await task
     for pid in pids:
-        await wait_gone(pid)
+        await await_exit(pid)
     assert not path.exists()
 
 

@@ -26,7 +26,8 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.pool import Pool, _mounts
+from space.node.mountinfo import mounts
+from space.node.pool import Pool
 from space.node.templates import BASE_SPEC, DEFAULT_CACHE_DIR, TemplateInfo, TemplateStore
 from tests.node.poolkit import run_async
 
@@ -58,7 +59,7 @@ async def work(btrfs_pool: Pool, base: TemplateInfo) -> AsyncIterator[tuple[str,
 
 def mounts_beneath(path: Path) -> list[str]:
     prefix = str(path) + "/"
-    return [m.target for m in _mounts() if m.target == str(path) or m.target.startswith(prefix)]
+    return [m.target for m in mounts() if m.target == str(path) or m.target.startswith(prefix)]
 
 
 class Lines(list[str]):

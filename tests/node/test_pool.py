@@ -19,14 +19,15 @@ import pytest
 
 from space.errors import Conflict, InvalidPath, InvalidRequest
 from space.node import privileged
-from space.node.pool import AREAS, Pool, PoolKind, _mounts
+from space.node.mountinfo import mounts
+from space.node.pool import AREAS, Pool, PoolKind
 from tests.node.poolkit import PoolFactory, loop_devices_of, run_async
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]
 
 
 def mount_count(path: Path) -> int:
-    return sum(1 for m in _mounts() if m.target == str(path))
+    return sum(1 for m in mounts() if m.target == str(path))
 
 
 # -- open / teardown (private pools) -------------------------------------------------------------

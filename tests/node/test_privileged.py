@@ -17,28 +17,11 @@ import pytest
 
 from space.errors import RuntimeFailure, Timeout
 from space.node import privileged
-from tests.waiting import await_for
+from tests.waiting import await_exit
 
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30.0
-
-
-async def wait_gone(pid: int) -> None:
-    """Wait (with a deadline) until ``pid`` has exited: its pidfd turns readable at exit."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    loop = asyncio.get_running_loop()
-    exited = asyncio.Event()
-    loop.add_reader(fd, exited.set)
-    try:
-        async with asyncio.timeout(DEADLINE):
-            await exited.wait()
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
 
 
 async def test_run_captures_output_and_feeds_input() -> None:
@@ -88,7 +71,7 @@ async def test_a_timeout_kills_the_process_group() -> None:
         await privileged.stream_lines("sh", "-c", "sleep 300 & echo $!; wait",
                                       on_line=lambda s: pids.append(int(s)), timeout=1)
     assert len(pids) == 1
-    await wait_gone(pids[0])
+    await await_exit(pids[0])
 
 
 async def test_cancellation_kills_the_process_group() -> None:
@@ -107,7 +90,7 @@ async def test_cancellation_kills_the_process_group() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_gone(pids[0])
+    await await_exit(pids[0])
 
 
 async def test_pipeline_connects_stages_and_files(tmp_path: Path) -> None:
@@ -156,16 +139,5 @@ async def test_cancel_while_starting_kills_the_new_process_group(tmp_path: Path)
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-    started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
-
-    async def all_gone() -> bool | None:
-        return not any(alive(p) for p in started) or None
-
-    await await_for(all_gone, 10, "every started sleep to be gone")
+    for pid in [int(p) for p in pids.read_text().split()] if pids.exists() else []:
+        await await_exit(pid)

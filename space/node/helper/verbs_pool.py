@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from space.node.helper.confine import (
     umount_fd,
 )
 from space.node.helper.verbs import Call, HelperContext, verb
+from space.node.mountinfo import mounts
 
 log = structlog.get_logger(__name__)
 
@@ -156,24 +156,6 @@ async def subvol_is_readonly(ctx: HelperContext, args: RelArgs, call: Call) -> d
 # -- tree.delete ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _MountEntry:
-    mount_id: int
-    target: str
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), value)
-
-
-def _mountinfo() -> list[_MountEntry]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split(" - ", 1)[0].split()
-        out.append(_MountEntry(int(fields[0]), _unescape(fields[4])))
-    return out
-
-
 def _unmount_beneath(pool: PoolRoot, path: str) -> None:
     """Unmount whatever is mounted at or below ``path``, deepest first.
 
@@ -186,8 +168,8 @@ def _unmount_beneath(pool: PoolRoot, path: str) -> None:
     """
     prefix = path.rstrip("/") + "/"
     for _ in range(100):  # stacked mounts come off one at a time
-        mounts = _mountinfo()
-        beneath = [m for m in mounts if m.target == path or m.target.startswith(prefix)]
+        table = mounts()
+        beneath = [m for m in table if m.target == path or m.target.startswith(prefix)]
         if not beneath:
             return
         target = max(beneath, key=lambda m: m.target.count("/")).target
