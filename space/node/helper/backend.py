@@ -55,12 +55,17 @@ async def invoke(ctx: HelperContext, verb: str, args: Mapping[str, Any] | None, 
         log.warning("helper.timeout", verb=verb, timeout=limit)
         raise Timeout(f"privileged {verb} timed out after {limit:g}s", verb=verb) from None
     except Exception as exc:
-        log.info("helper.call", verb=verb, args=dict(args or {}), ok=False, error=type(exc).__name__,
+        log.info("helper.call", verb=verb, args=_loggable(args), ok=False, error=type(exc).__name__,
                  ms=round((time.monotonic() - started) * 1000, 1))
         raise
-    (log.info if v.audit else log.debug)("helper.call", verb=verb, args=dict(args or {}), ok=True,
+    (log.info if v.audit else log.debug)("helper.call", verb=verb, args=_loggable(args), ok=True,
                                          ms=round((time.monotonic() - started) * 1000, 1))
     return result
+
+
+def _loggable(args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The arguments as the log keeps them: long strings (a CA certificate) cut short."""
+    return {k: (v[:120] + "...") if isinstance(v, str) and len(v) > 120 else v for k, v in (args or {}).items()}
 
 
 class InProcess:
