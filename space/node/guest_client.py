@@ -462,27 +462,39 @@ class GuestConnection:
                 if held.get("kind") == "exit":
                     return
                 took(held, data, False)
+            # Held events continue seamlessly into the live queue (registered at the same moment):
+            # a replay now could report as evicted what is still on its way to us.
+            replay_first = not early
             while True:
-                args: Header = {"cmd": cmd, "after": last}
-                if last_off is not None:
-                    args["after_off"] = last_off
-                replay = self.stream("replay", **args)
-                async for chunk, payload in replay:
-                    ev = chunk.get("ev")
-                    if not isinstance(ev, dict) or not isinstance(ev.get("seq"), int) or ev["seq"] <= last:
-                        continue
-                    if ev.get("kind") == "gap":
-                        last, last_off = ev["seq"], None
-                        yield ev, b""
-                        continue
-                    last = ev["seq"]
-                    yield ev, payload
-                    if ev.get("kind") == "exit":
+                if replay_first:
+                    args: Header = {"cmd": cmd, "after": last}
+                    if last_off is not None:
+                        args["after_off"] = last_off
+                    replay = self.stream("replay", **args)
+                    in_queue = False
+                    async for chunk, payload in replay:
+                        ev = chunk.get("ev")
+                        if not isinstance(ev, dict) or not isinstance(ev.get("seq"), int) or ev["seq"] <= last:
+                            continue
+                        if ev.get("kind") == "gap":
+                            # Events and answers share one ordered channel: whatever the guest sent
+                            # before this replay is in our live queue by now, evicted there or not.
+                            if sub.items and sub.items[0][0]["seq"] <= last + 1:
+                                in_queue = True
+                                await replay.aclose()
+                                break
+                            last, last_off = ev["seq"], None
+                            yield ev, b""
+                            continue
+                        last = ev["seq"]
+                        yield ev, payload
+                        if ev.get("kind") == "exit":
+                            return
+                        took(ev, payload, False)
+                    res = replay.result or {}
+                    if not in_queue and res.get("state") == "exited" and last >= int(res.get("last_seq", 0)):
                         return
-                    took(ev, payload, False)
-                res = replay.result or {}
-                if res.get("state") == "exited" and last >= int(res.get("last_seq", 0)):
-                    return
+                replay_first = True
                 while True:
                     item = await sub.get()
                     if item is None:
