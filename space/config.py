@@ -38,6 +38,9 @@ class ServeSettings:
     #: The user the API and the controller run as once the node agent (root) is started; ``root``
     #: keeps them root (``space.privdrop``).
     user: str = "space"
+    #: Route E2B's host form ``<port>-<sandbox id>.<domain>`` to sandboxes (SDKs before 2.7 and
+    #: ``Sandbox.get_host``; needs wildcard DNS to this server). None: header routing only.
+    e2b_domain: str | None = None
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve() / 'control' / 'space.db'}"

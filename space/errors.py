@@ -17,6 +17,8 @@ that body back into the same class with :func:`from_wire`.
     ├── QuotaExceeded         429 quota_exceeded
     ├── RuntimeFailure        500 runtime_error
     ├── Internal              500 internal
+    ├── BadGateway            502 bad_gateway     (a server inside a sandbox failed a proxied request)
+    │   └── PortNotOpen       502 port_not_open
     ├── Unavailable           503 unavailable     (retryable)
     └── Timeout               504 timeout         (retryable)
 """
@@ -132,6 +134,19 @@ class RuntimeFailure(SpaceError):
 class Internal(SpaceError):
     code = "internal"
     status = 500
+
+
+class BadGateway(SpaceError):
+    """A request proxied to a server inside a sandbox got no usable answer from it."""
+
+    code = "bad_gateway"
+    status = 502
+
+
+class PortNotOpen(BadGateway):
+    """Nothing listens on the sandbox port a request was proxied to (or the sandbox has no network)."""
+
+    code = "port_not_open"
 
 
 class Unavailable(SpaceError):

@@ -229,7 +229,8 @@ async def serve(settings: ServeSettings) -> None:
         controller.lifecycle.credentials = credentials
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes, credentials=credentials,
-                         operator_tenant=settings.operator_tenant)
+                         operator_tenant=settings.operator_tenant,
+                         e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None)
         await bootstrap_templates(state, settings.bootstrap_templates)
         await seed_warm_pool(state, privdrop.control_dir(settings), settings.warm_pool)
         await controller.push_warm_pools()

@@ -64,7 +64,8 @@ def guest_event_to_sse(header: dict[str, Any], payload: bytes) -> bytes:
         name = _FD_NAMES.get(int(header.get("fd", 1)), "stdout")
         return sse(name, {"seq": seq, "data": base64.b64encode(payload).decode()}, seq)
     if kind == "exit":
-        return sse("exit", {"seq": seq, "exit_code": header.get("exit_code"), "signal": header.get("signal")}, seq)
+        return sse("exit", {"seq": seq, "exit_code": header.get("exit_code"), "signal": header.get("signal"),
+                            "timed_out": bool(header.get("timed_out"))}, seq)
     if kind == "gap":
         return sse("gap", {"seq": seq, "lost_bytes": header.get("lost_bytes", 0)}, seq)
     return sse(str(kind), {"seq": seq}, seq)

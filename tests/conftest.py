@@ -88,7 +88,12 @@ def postgres_url() -> str:
 # ---- a real `space serve` ----------------------------------------------------------------------
 
 
+#: The domain of E2B host names on the shared server.
+E2B_TEST_DOMAIN = "e2b.test"
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with own_server(tmp_path_factory.mktemp("srv")) as srv:
+    # E2B's host routing (<port>-<id>.e2b.test) is on, so its tests need no server of their own.
+    with own_server(tmp_path_factory.mktemp("srv"), "--e2b-domain", E2B_TEST_DOMAIN) as srv:
         yield srv

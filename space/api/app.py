@@ -16,6 +16,7 @@ from space.api import (
     metrics,
     nodes,
     pools,
+    ports,
     sandboxes,
     secrets,
     snapshots,
@@ -24,6 +25,10 @@ from space.api import (
 )
 from space.api.auditing import AuditMiddleware
 from space.api.state import AppState
+from space.e2b.control import create_control_app
+from space.e2b.edge import E2BDispatch
+from space.e2b.envd import create_envd_app
+from space.e2b.ports import create_ports_app
 from space.web import install_error_handlers
 
 
@@ -42,8 +47,12 @@ def create_app(state: AppState) -> FastAPI:
     for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools,
                    secrets):
         app.include_router(module.router)
-    for module in (tenants, audit, egress):
+    for module in (tenants, audit, egress, ports):
         app.include_router(module.router)
+
+    # Outermost: E2B's planes (E2b-Sandbox-Id traffic, E2B's control paths) never reach SPACE's routes.
+    app.add_middleware(E2BDispatch, control=create_control_app(state), envd=create_envd_app(state),
+                       ports=create_ports_app(state), domain=state.e2b_domain)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -75,6 +75,35 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/pools/{template}"): "pool.delete",
     ("PUT", "/v1/tenants/{tenant}/quota"): "quota.set",
     ("PUT", "/v1/tenants/{tenant}/egress"): "egress.set",
+    ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}"): "port.request",
+    ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
+    ("PUT", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
+    ("PATCH", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
+    ("DELETE", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
+    # E2B's control API (space.e2b.control)
+    ("POST", "/v2/sandboxes"): "sandbox.create",
+    ("POST", "/sandboxes"): "sandbox.create",
+    ("POST", "/v2/sandboxes/{sandbox_id}/connect"): "sandbox.connect",
+    ("POST", "/sandboxes/{sandbox_id}/connect"): "sandbox.connect",
+    ("POST", "/sandboxes/{sandbox_id}/resume"): "sandbox.connect",
+    ("DELETE", "/sandboxes/{sandbox_id}"): "sandbox.delete",
+    ("POST", "/sandboxes/{sandbox_id}/timeout"): "sandbox.update",
+    ("POST", "/sandboxes/{sandbox_id}/pause"): "sandbox.pause",
+    ("POST", "/sandboxes/{sandbox_id}/fork"): "sandbox.fork",
+    ("PUT", "/sandboxes/{sandbox_id}/network"): "egress.set",
+    ("POST", "/sandboxes/{sandbox_id}/snapshots"): "snapshot.create",
+    ("DELETE", "/templates/{snapshot_id}"): "snapshot.delete",
+    # E2B's envd plane (space.e2b.envd): the calls that change something in the sandbox
+    ("POST", "/process.Process/Start"): "sandbox.exec",
+    ("POST", "/process.Process/SendSignal"): "command.signal",
+    ("POST", "/process.Process/SendInput"): "command.stdin",
+    ("POST", "/process.Process/StreamInput"): "command.stdin",
+    ("POST", "/process.Process/CloseStdin"): "command.stdin",
+    ("POST", "/process.Process/Update"): "command.resize",
+    ("POST", "/filesystem.Filesystem/MakeDir"): "file.mkdir",
+    ("POST", "/filesystem.Filesystem/Move"): "file.move",
+    ("POST", "/filesystem.Filesystem/Remove"): "file.delete",
+    ("POST", "/files"): "file.write",
 }
 
 #: Path parameters, most specific first: the first one present is the target.
@@ -86,7 +115,7 @@ def route_template(scope: Scope) -> str:
     """The matched route's path template, e.g. ``/v1/sandboxes/{sandbox_id}/pause``; for a route
     without one, rebuilt from the path and its parameters; an unmatched path is its own template."""
     route_path = getattr(scope.get("route"), "path", None)
-    if isinstance(route_path, str) and route_path.startswith("/v1/"):
+    if isinstance(route_path, str) and route_path.startswith("/"):
         return route_path
     params: dict[str, Any] = scope.get("path_params") or {}
     path: str = scope.get("path", "")
@@ -127,8 +156,12 @@ def _created(action: str, body: Any) -> tuple[str | None, dict[str, Any]]:
     if not isinstance(body, dict):
         return None, {}
     if action == "sandbox.create":
+        if isinstance(body.get("sandboxID"), str):  # E2B's answer
+            return body["sandboxID"], {}
         return _id(body.get("sandbox")), {}
     if action == "snapshot.create":
+        if isinstance(body.get("snapshotID"), str):  # E2B's answer
+            return body["snapshotID"], {}
         return _id(body.get("snapshot")), {}
     if action in ("apikey.create", "node.register"):
         return _id(body), {}
@@ -151,11 +184,16 @@ class AuditMiddleware:
     """A plain ASGI middleware: responses and streams pass through untouched; the record is made
     after the last byte was handed to the server, so the call's latency does not include it."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, prefix: str = "/v1/", known_only: bool = False) -> None:
         self.app = app
+        #: Paths the middleware audits; with ``known_only``, only the calls named in ACTIONS (E2B's
+        #: envd plane, where reads are POSTs too).
+        self.prefix = prefix
+        self.known_only = known_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in MUTATING or not scope["path"].startswith("/v1/"):
+        if (scope["type"] != "http" or scope["method"] not in MUTATING or not scope["path"].startswith(self.prefix)
+                or (self.known_only and (scope["method"], scope["path"]) not in ACTIONS)):
             await self.app(scope, receive, send)
             return
         at = dt.datetime.now(dt.UTC)
@@ -219,9 +257,15 @@ def build_record(scope: Scope, at: dt.datetime, status: int, body: bytes, failur
     else:
         err = parsed.get("error") if isinstance(parsed, dict) else None
         code = err.get("code") if isinstance(err, dict) else None
+        if code is None and isinstance(parsed, dict):
+            # E2B's bodies: {"code": <int>, "message", "error_code"?} (control) or {"code": "<connect
+            # code>", "message"} (envd).
+            code = parsed.get("error_code") or (parsed.get("code") if isinstance(parsed.get("code"), str) else None)
         result = str(code) if code else f"http_{status}"
     created, extra = _created(action, parsed) if ok else (None, {})
-    target = created or next((params[p] for p in _TARGET_PARAMS if params.get(p)), "")
+    e2b_route = scope.get("e2b")
+    target = created or next((params[p] for p in _TARGET_PARAMS if params.get(p)), "") or str(
+        getattr(e2b_route, "sandbox_id", ""))
     who = _principal(scope)
     details: dict[str, Any] = {"method": method, "path": scope.get("path", "")}
     if params:
@@ -251,6 +295,8 @@ def _principal(scope: Scope) -> tuple[str, str]:
 def _cached_principal(scope: Scope) -> Any:
     headers = dict(scope.get("headers", ()))
     scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if b"x-api-key" in headers:  # E2B's control API
+        scheme, key = "bearer", headers[b"x-api-key"].decode("latin-1")
     if scheme.lower() != "bearer" or not key.strip():
         return None
     state = getattr(getattr(scope.get("app"), "state", None), "space", None)

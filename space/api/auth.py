@@ -96,6 +96,11 @@ async def principal(request: Request) -> Principal:
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    return await principal_of_key(request, key)
+
+
+async def principal_of_key(request: Request, key: str) -> Principal:
+    """The principal of an API key however the request carried it (E2B's facade: ``X-API-KEY``)."""
     state = request.app.state.space
     who: Principal | None = state.keys.get(key)
     if who is None:

@@ -65,9 +65,10 @@ _touched: dict[str, float] = {}
 
 async def running_sandbox(st: AppState, sandbox_id: str, tenant: str) -> tuple[Sandbox, SandboxNode]:
     """The tenant's sandbox, ready to talk to its guest: a paused one is resumed and a suspended
-    one restored first (transparently, within a deadline); other states answer 409."""
+    one restored first (transparently, within a deadline) unless it was created with
+    ``auto_resume`` off; other states answer 409."""
     sb = await st.store.get_sandbox(sandbox_id, tenant=tenant)
-    if sb.state in WAKE or sb.state == State.RESTORING:
+    if (sb.state in WAKE and sb.auto_resume) or sb.state == State.RESTORING:
         sb = await _wake(st, sb)
     require(sb.state, Action.EXEC)
     await _touch(st, sb.id)

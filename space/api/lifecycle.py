@@ -139,7 +139,15 @@ async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, st: St,
 async def fork(sandbox_id: str, who: Auth, st: St, body: ForkBody | None = None,
                idempotency_key: IdemKey = None) -> JSONResponse:
     """``count`` new sandboxes from one snapshot (default: a full checkpoint taken now)."""
-    body = body or ForkBody.model_validate({})
+    rows, snap_id, op = await fork_sandbox(st, who, sandbox_id, body or ForkBody.model_validate({}),
+                                           idempotency_key)
+    return JSONResponse({"sandboxes": [views.sandbox(r) for r in rows], "snapshot": snap_id,
+                         "operation": views.operation(op)}, status_code=202)
+
+
+async def fork_sandbox(st: AppState, who: Principal, sandbox_id: str, body: ForkBody,
+                       idempotency_key: str | None) -> tuple[list[Sandbox], str, Operation]:
+    """Record ``body.count`` forks of a sandbox and the operation that boots them."""
     who.require_write()
     src = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     require(src.state, Action.FORK)
@@ -165,7 +173,8 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkBody | None = None,
                 cpu=src.cpu, memory_mb=src.memory_mb, env=src.env, meta=body.metadata or src.meta,
                 template_digest=src.template_digest, parent_id=sandbox_id, source_snapshot=snap_id,
                 idle_pause_s=src.idle_pause_s, idle_suspend_s=src.idle_suspend_s,
-                snapshot_policy=src.snapshot_policy,
+                snapshot_policy=src.snapshot_policy, expire_action=src.expire_action,
+                auto_resume=src.auto_resume, public_ports=src.public_ports,
                 # A fork keeps its parent's egress policy and secret bindings (sandbox-scoped
                 # secrets stay the parent's own).
                 egress=dict(src.egress or {}), secrets=list(src.secrets or []), project=src.project)
@@ -178,8 +187,7 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkBody | None = None,
     rows, op, created = await st.store.create_sandboxes(forks, op, new_snap)
     if created:
         st.controller.wake()
-    return JSONResponse({"sandboxes": [views.sandbox(r) for r in rows], "snapshot": snap_id,
-                         "operation": views.operation(op)}, status_code=202)
+    return rows, snap_id, op
 
 
 @router.get("/{sandbox_id}/events")

@@ -7,7 +7,7 @@ import contextlib
 import datetime as dt
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import structlog
 from fastapi import APIRouter, Depends, Header, Query
@@ -20,7 +20,7 @@ from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
 from space.controller import placement
 from space.controller.egress import egress_config
-from space.errors import InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
+from space.errors import Conflict, InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
 from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State, allowed_actions, require
 from space.node.client import NodeClient
@@ -59,6 +59,12 @@ class CreateSandboxBody(BaseModel):
     secrets: list[str] = Field(default_factory=list, max_length=64)
     #: The middle level of secret scopes.
     project: str = Field("", max_length=128, pattern=r"^([a-zA-Z0-9][a-zA-Z0-9_.-]*)?$")
+    #: What the end of ``lifetime_s`` does: delete the sandbox, or pause it.
+    on_expire: Literal["delete", "pause"] = "delete"
+    #: Whether exec and file calls on a paused or suspended sandbox wake it (else they answer 409).
+    auto_resume: bool = True
+    #: Start from this snapshot (files, and with a full one the processes) instead of the template.
+    snapshot: str | None = Field(None, min_length=1, max_length=64)
 
 
 @router.post("/sandboxes", status_code=202)
@@ -68,6 +74,14 @@ async def create_sandbox(
     st: St,
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> JSONResponse:
+    sb, op, status = await create(st, who, body, idempotency_key)
+    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=status)
+
+
+async def create(st: AppState, who: Principal, body: CreateSandboxBody,
+                 idempotency_key: str | None) -> tuple[Sandbox, Operation, int]:
+    """Create a sandbox: ``201`` with it running when a warm one was claimed, else ``202`` with the
+    operation that boots it (also what an idempotent retry of an accepted create gets)."""
     who.require_write()
     if len(body.env) > MAX_ENV or len(body.metadata) > MAX_ENV:
         raise InvalidRequest(f"at most {MAX_ENV} env vars and metadata entries")
@@ -78,6 +92,8 @@ async def create_sandbox(
         if st.credentials is None:
             raise Unavailable("secrets are not configured on this deployment (no master key)")
         await st.credentials.check_bindable(who, who.tenant, body.project, None, bound)
+    if body.snapshot is not None:
+        return await _create_from_snapshot(st, who, body, idempotency_key, policy, egress_policy, bound)
     sid = ids.sandbox_id()
     sb = Sandbox(
         id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,
@@ -85,6 +101,7 @@ async def create_sandbox(
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
+        expire_action=body.on_expire, auto_resume=body.auto_resume,
     )
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
@@ -113,10 +130,53 @@ async def create_sandbox(
     sb, op, created = await st.store.create_sandbox(sb, op)
     if created:
         st.controller.wake()
-    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+    return sb, op, 202
 
 
-async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse | None:
+async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandboxBody, idempotency_key: str | None,
+                                policy: dict[str, Any], egress_policy: dict[str, Any],
+                                bound: list[str]) -> tuple[Sandbox, Operation, int]:
+    """A sandbox from any ready snapshot of the tenant, retained or not, whether its sandbox still
+    exists or not: a fork of that snapshot (one code path), recorded as a ``sandbox.fork``
+    operation on the snapshot's sandbox. The snapshot fixes template, cpu, memory and env (its
+    processes have them already); the request's other fields apply as to any create."""
+    from space.api.snapshots import live_snapshot  # the snapshot routes import the lifecycle ones
+
+    snap = await live_snapshot(st, str(body.snapshot), who.tenant)
+    if snap.status != "ready" or not snap.restorable:
+        raise Conflict(f"snapshot {snap.id} is {snap.status} and cannot be used"
+                       + (f": {snap.error}" if snap.error else ""), snapshot_status=snap.status)
+    if snap.node_id is None and snap.object_key is None:
+        raise Conflict(f"snapshot {snap.id} is neither on a node nor in object storage", snapshot_status=snap.status)
+    src = await st.store.get_sandbox(snap.sandbox_id)  # rows outlive their sandbox
+    given = body.model_fields_set
+    for field, want in (("template", snap.template), ("cpu", src.cpu), ("memory_mb", src.memory_mb)):
+        if field in given and getattr(body, field) != want:
+            raise InvalidRequest(f"a sandbox from snapshot {snap.id} has its {field} ({want}); leave {field} out",
+                                 field=field)
+    if body.env:
+        raise InvalidRequest(f"a sandbox from snapshot {snap.id} keeps the snapshot's env; leave env out",
+                             field="env")
+    sb = Sandbox(
+        id=ids.sandbox_id(), tenant=who.tenant, template=snap.template, template_digest=snap.template_digest,
+        state=State.CREATING.value, cpu=src.cpu, memory_mb=src.memory_mb, env=dict(src.env or {}),
+        meta=body.metadata, parent_id=src.id, source_snapshot=snap.id,
+        idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
+        egress=egress_policy, secrets=bound, project=body.project,
+        expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
+        expire_action=body.on_expire, auto_resume=body.auto_resume,
+    )
+    op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="sandbox.fork", target=src.id, status="pending",
+                   idempotency_key=idempotency_key,
+                   request={"snapshot": snap.id, "sandbox_ids": [sb.id], "take_snapshot": False,
+                            "from_snapshot": True})
+    rows, op, created = await st.store.create_sandboxes([sb], op)
+    if created:
+        st.controller.wake()
+    return rows[0], op, 202
+
+
+async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> tuple[Sandbox, Operation, int] | None:
     """Claim a warm sandbox for the request and record it as running: one node call and one
     commit. None when no node has one ready (the caller creates it cold).
 
@@ -161,10 +221,9 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> JSONResponse
             raise
         if not created:  # an idempotent retry: the earlier request's sandbox stands
             await _release(node, sb.id)
-            return JSONResponse({"sandbox": views.sandbox(row), "operation": views.operation(op)},
-                                status_code=202)
+            return row, op, 202
         log.info("sandbox.created", sandbox=row.id, node=node_row.id, warm=True)
-        return JSONResponse({"sandbox": views.sandbox(row), "operation": views.operation(op)}, status_code=201)
+        return row, op, 201
     return None
 
 
@@ -200,6 +259,8 @@ class UpdateSandboxBody(BaseModel):
     lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
     snapshot_policy: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+    on_expire: Literal["delete", "pause"] | None = None
+    auto_resume: bool | None = None
 
 
 @router.patch("/sandboxes/{sandbox_id}")
@@ -219,6 +280,9 @@ async def update_sandbox(sandbox_id: str, body: UpdateSandboxBody, who: Auth, st
     if "snapshot_policy" in given:
         changes["snapshot_policy"] = (SnapshotPolicy.from_dict(body.snapshot_policy).to_dict()
                                       if body.snapshot_policy else {})
+    for name, column in (("on_expire", "expire_action"), ("auto_resume", "auto_resume")):
+        if name in given and getattr(body, name) is not None:
+            changes[column] = getattr(body, name)
     if "metadata" in given:
         if body.metadata is not None and len(body.metadata) > MAX_ENV:
             raise InvalidRequest(f"at most {MAX_ENV} metadata entries")
@@ -235,13 +299,19 @@ async def delete_sandbox(
     st: St,
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> JSONResponse:
+    sb, op = await delete(st, who, sandbox_id, idempotency_key)
+    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+
+
+async def delete(st: AppState, who: Principal, sandbox_id: str,
+                 idempotency_key: str | None = None) -> tuple[Sandbox, Operation]:
+    """Start deleting a sandbox; deleting twice answers the delete already under way."""
     who.require_write()
     sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     existing = await st.store.find_operations(target=sandbox_id, kind="sandbox.delete",
                                               status=["pending", "running"])
-    if existing:  # deleting twice returns the delete already under way
-        return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(existing[0])},
-                            status_code=202)
+    if existing:
+        return sb, existing[0]
     require(sb.state, Action.DELETE)
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.delete", target=sandbox_id, status="pending",
@@ -258,7 +328,7 @@ async def delete_sandbox(
         sb, op, created = await st.store.get_sandbox(sandbox_id), existing[0], False
     if created:
         st.controller.wake()
-    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+    return sb, op
 
 
 @router.get("/operations/{op_id}")

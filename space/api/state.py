@@ -29,6 +29,8 @@ class AppState:
     quotas: QuotaCache = dataclasses.field(default_factory=QuotaCache)
     #: Secrets (space.credentials); None where no master key is configured (/v1/secrets answers 503).
     credentials: CredentialManager | None = None
+    #: E2B's host form ``<port>-<sandbox id>.<domain>`` is routed to sandboxes when set.
+    e2b_domain: str | None = None
     #: Where the audit middleware's records go (space.api.auditing); closed by the server on exit.
     audit: AuditWriter = dataclasses.field(init=False)
 

@@ -44,6 +44,10 @@ def serve(
         "--user", envvar="SPACE_USER",
         help="Run the API and controller as this user once the node agent (root) is started; "
              "'root' keeps them root.")] = "space",
+    e2b_domain: Annotated[str | None, typer.Option(
+        "--e2b-domain", envvar="SPACE_E2B_DOMAIN",
+        help="Also route E2B host names <port>-<sandbox id>.<domain> to sandboxes (needs wildcard DNS).")]
+    = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the whole platform (API, controller, one node) on embedded defaults."""
@@ -56,7 +60,7 @@ def serve(
         data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
         cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
-        operator_tenant=operator_tenant, network=network, user=user,
+        operator_tenant=operator_tenant, network=network, user=user, e2b_domain=e2b_domain,
     ))
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from space import errors
+from space import templates as builtin_templates
 from space.cli import output
 from space.cli.context import client
 from space.node import template_spec
@@ -53,8 +54,14 @@ def build(
         "-f", "--file", help="Build from this space-template.toml (its files are uploaded first).",
         exists=True, dir_okay=False, readable=True)] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if it is up to date.")] = False,
+    builtin: Annotated[bool, typer.Option(
+        "--builtin", help=f"Build the template SPACE ships as NAME ({', '.join(builtin_templates.names())}).")] = False,
 ) -> None:
     """Build a template: its log streams to stderr, then its digest is printed on stdout."""
+    if builtin:
+        if file is not None:
+            raise errors.ValidationFailed("--builtin and -f/--file exclude each other", field="file")
+        file = builtin_templates.spec_file(name)
     with client(ctx) as c:
         spec = None
         if file is not None:

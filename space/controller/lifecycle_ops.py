@@ -42,6 +42,11 @@ def sandbox_prefix(sb: Sandbox) -> str:
     return f"tenants/{sb.tenant}/sandboxes/{sb.id}/"
 
 
+def retained_prefix(snap: Snapshot) -> str:
+    """Outside every sandbox's prefix: deleting its sandbox's objects leaves it."""
+    return f"tenants/{snap.tenant}/snapshots/{snap.id}"
+
+
 class LifecycleOps:
     def __init__(self, store: Store, nodes: NodeRegistry, objects: ObjectStore | None) -> None:
         self.store = store
@@ -107,7 +112,8 @@ class LifecycleOps:
     # -- snapshots -----------------------------------------------------------------------------
 
     async def _take(self, sb: Sandbox, snap: Snapshot) -> Snapshot:
-        """Take ``snap`` on the sandbox's node and record it ready (idempotent)."""
+        """Take ``snap`` on the sandbox's node and record it ready (idempotent). A retained one is
+        uploaded first: it is ready only once it can outlive the node's copy."""
         if snap.status == "ready":
             return snap
         if sb.state not in (State.RUNNING, State.PAUSED):
@@ -115,10 +121,15 @@ class LifecycleOps:
         node = await self._node_of(sb)
         info = await node.call("PUT", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}",
                                json_body={"kind": snap.kind}, timeout=LONG)
-        snap = await self.store.update_snapshot(
-            snap.id, status="ready", restorable=True, node_id=sb.node_id,
-            meta={k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")},
-        )
+        fields: dict[str, Any] = {"meta": {k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")}}
+        if snap.retain:
+            key = retained_prefix(snap)
+            res = await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}/upload",
+                                  json_body={"prefix": key}, timeout=LONG)
+            fields["object_key"] = key
+            fields["meta"].update(uploaded_bytes=res.get("bytes"))
+        snap = await self.store.update_snapshot(snap.id, status="ready", restorable=True, node_id=sb.node_id,
+                                                **fields)
         # Its size needs a walk of the tree: filled in after the operation answers.
         self._spawn(self._fill_size(node, sb.id, snap.id))
         return snap
@@ -187,7 +198,12 @@ class LifecycleOps:
         # suspend snapshot is newer than all of them).
         for other in await self.store.list_snapshots(sandbox_id=sb.id, node_id=sb.node_id,
                                                      statuses=["creating", "ready"]):
-            if other.id == snap_id or other.object_key is not None:
+            if other.id == snap_id:
+                continue
+            if other.object_key is not None:
+                # Already in object storage (retained, or an earlier suspend's): only the node's
+                # copy goes, with the eviction below.
+                await self.store.update_snapshot(other.id, node_id=None)
                 continue
             if other.origin == "manual" and other.status == "ready":
                 key = object_prefix(sb, other.id)
@@ -342,9 +358,13 @@ class LifecycleOps:
     # -- fork ----------------------------------------------------------------------------------
 
     async def fork(self, op: Operation) -> dict[str, Any]:
+        """Forks of a sandbox, and sandboxes created from a snapshot (``request["from_snapshot"]``:
+        the target is the snapshot's sandbox, which may be gone): one path."""
         src = await self.store.get_sandbox(op.target)
         snap = await self.store.get_snapshot(str(op.request["snapshot"]))
         if snap.status != "ready":
+            if not op.request.get("take_snapshot"):
+                raise Conflict(f"snapshot {snap.id} is {snap.status} and cannot be used", snapshot_status=snap.status)
             snap = await self._take(src, snap)
         wanted = list(op.request.get("sandbox_ids") or [])
         # The forks boot side by side (a restore mostly waits on the runtime); a few at a time.
@@ -365,22 +385,31 @@ class LifecycleOps:
         f = await self.store.get_sandbox(fid)
         if f.state != State.CREATING:
             return fid if f.state == State.RUNNING else None
+        node: NodeClient | None = None
+        info: dict[str, Any] | None = None
         if snap.node_id is not None:
-            node = await self.nodes.client(snap.node_id)
-            await self.store.update_sandbox(fid, node_id=node.node_id)
-            info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
-                                   json_body={"source": snap.sandbox_id, "snapshot": snap.id,
-                                              "egress": await self.egress(f)}, timeout=LONG)
-        elif snap.object_key is not None:
-            node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
-            await self.store.update_sandbox(fid, node_id=node.node_id)
+            try:
+                node = await self.nodes.client(snap.node_id)
+                await self.store.update_sandbox(fid, node_id=node.node_id)
+                info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
+                                       json_body={"source": snap.sandbox_id, "snapshot": snap.id,
+                                                  "egress": await self.egress(f)}, timeout=LONG)
+            except NotFound as exc:
+                if snap.object_key is None:
+                    raise
+                # The node's copy went with its sandbox (deleted meanwhile): the uploaded one serves.
+                log.info("fork.node_copy_gone", fork=fid, snapshot=snap.id, error=str(exc))
+        if info is None:
+            if snap.object_key is None:
+                raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",
+                                      snapshot_id=snap.id)
+            if node is None:
+                node = await (self.nodes.client(f.node_id) if f.node_id else self.nodes.schedule())
+                await self.store.update_sandbox(fid, node_id=node.node_id)
             info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
                                    json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
                                               "egress": await self.egress(f)},
                                    timeout=LONG)
-        else:
-            raise SnapshotCorrupt(f"snapshot {snap.id} is neither on a node nor in object storage",
-                                  snapshot_id=snap.id)
         try:
             f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
                                                    instance_id=info.get("instance_id"),
@@ -406,8 +435,10 @@ class LifecycleOps:
 
     async def snapshot_failed(self, op: Operation, exc: SpaceError) -> None:
         with contextlib.suppress(SpaceError):
-            await self.store.update_snapshot(str(op.request["snapshot"]), status="failed", restorable=False,
-                                             error=exc.message)
+            snap = await self.store.update_snapshot(str(op.request["snapshot"]), status="failed", restorable=False,
+                                                    error=exc.message)
+            if snap.retain and self.objects is not None:
+                await self.objects.delete_prefix(retained_prefix(snap) + "/")  # a partial upload
 
     def failure_handlers(self) -> dict[str, Any]:
         return {
@@ -422,10 +453,18 @@ class LifecycleOps:
     # -- delete --------------------------------------------------------------------------------
 
     async def forget_artifacts(self, sb: Sandbox) -> None:
-        """A deleted sandbox's snapshots go with it (its forks are independent copies by then)."""
+        """A deleted sandbox's snapshots go with it (its forks are independent copies by then),
+        except the retained ones: their uploaded copy stays, only the node's (gone with the
+        sandbox's directory) is forgotten."""
         for snap in await self.store.list_snapshots(sandbox_id=sb.id, statuses=["creating", "ready", "failed"]):
+            if snap.retain and snap.status != "failed":
+                if snap.node_id is not None:
+                    await self.store.update_snapshot(snap.id, node_id=None)
+                continue
             if await self.store.snapshot_in_use(snap.id):
                 continue
+            if snap.retain and self.objects is not None:
+                await self.objects.delete_prefix(retained_prefix(snap) + "/")  # what a failed upload left
             await self.store.delete_snapshot_row(snap.id)
         if self.objects is not None:
             await self.objects.delete_prefix(sandbox_prefix(sb))

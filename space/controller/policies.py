@@ -76,6 +76,15 @@ class Policies:
     async def _expire(self, sb: Sandbox, now: dt.datetime) -> bool:
         if sb.expires_at is None or sb.expires_at > now:
             return False
+        if sb.expire_action == "pause":
+            # The deadline is cleared after the pause is enqueued: a crash in between leaves a
+            # paused (or pausing) sandbox whose next tick only clears it.
+            paused = sb.state == State.RUNNING
+            if paused:
+                await self._enqueue(sb, "sandbox.pause", {"reason": "timeout"})
+                await self.ops.event(sb, "expired", "its timeout ran out: pausing it")
+            await self.store.update_sandbox(sb.id, expires_at=None)
+            return paused
         await self._enqueue(sb, "sandbox.delete", {"reason": "lifetime"}, state=State.TERMINATING)
         await self.ops.event(sb, "expired", "its maximum lifetime ran out: deleting it")
         return True

@@ -29,11 +29,11 @@ Wire details beyond the brief (see also protocol.py's conventions):
 This module is the channel: it reads frames, dispatches requests and owns the main loop. The rest
 lives beside it: guest_base.py (errors, log, frame writer, argument checks), guest_procs.py (the
 process table: replay buffers, reaping, stdin, acks), guest_pump.py (output and flow control),
-guest_exec.py (exec and the other command requests), guest_files.py (``fs.*``), guest_users.py
-(users, identity, spawn argv). Inside the sandbox they are top-level modules found through the
-sys.path entry added below (or by boot.py); on the host they are ``space.guest.*``. They never
-import this module at run time: it may be running as ``__main__``, and a second copy of it would
-mean a second daemon state.
+guest_exec.py (exec and the other command requests), guest_files.py (``fs.*``), guest_watch.py
+(``watch.*``, directory watchers), guest_users.py (users, identity, spawn argv). Inside the sandbox
+they are top-level modules found through the sys.path entry added below (or by boot.py); on the host
+they are ``space.guest.*``. They never import this module at run time: it may be running as
+``__main__``, and a second copy of it would mean a second daemon state.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ if __package__:
     from .guest_files import OPS as FS_OPS
     from .guest_files import Upload
     from .guest_procs import ProcessTable
+    from .guest_watch import OPS as WATCH_OPS
 else:  # run as a script inside the sandbox: protocol.py and the guest_* modules sit beside this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import protocol  # type: ignore[no-redef, import-not-found]
@@ -61,6 +62,7 @@ else:  # run as a script inside the sandbox: protocol.py and the guest_* modules
     from guest_files import OPS as FS_OPS  # type: ignore[no-redef, import-not-found]
     from guest_files import Upload  # type: ignore[no-redef]
     from guest_procs import ProcessTable  # type: ignore[no-redef, import-not-found]
+    from guest_watch import OPS as WATCH_OPS  # type: ignore[no-redef, import-not-found]
 
 #: Read as true by type checkers only: importing typing (and collections.abc) costs 10-20 ms of boot
 #: under gVisor, more than everything else the daemon imports but json and threading.
@@ -292,11 +294,13 @@ def op_activity(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
 
 _OPS: dict[str, Callable[[Daemon, Any, Header, bytes], Header]] = {
     "hello": op_hello, "activity": op_activity, **EXEC_OPS, **FS_OPS,
+    **WATCH_OPS,
 }
 #: Requests that are the platform looking, not someone using the sandbox: they do not reset idleness.
-_PASSIVE = frozenset({"hello", "activity", "list"})
+_PASSIVE = frozenset({"hello", "activity", "list", "watch.poll", "watch.list"})
 #: Answered on the reader thread: no waiting on anything but the channel itself.
-_INLINE = frozenset({"hello", "activity", "list", "signal", "resize", "forget"})
+_INLINE = frozenset({"hello", "activity", "list", "signal", "resize", "forget", "watch.poll", "watch.remove",
+                     "watch.list"})
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ _ERRNO_CODES: dict[str, str] = {
     "EACCES": "forbidden", "EPERM": "forbidden", "EROFS": "forbidden", "ENOTDIR": "invalid_path",
     "EISDIR": "invalid_request", "ENAMETOOLONG": "invalid_path", "ELOOP": "invalid_path",
     "EINVAL": "invalid_request", "EXDEV": "invalid_request",
+    "ENOSPC": "insufficient_storage", "EDQUOT": "insufficient_storage",
 }
 
 

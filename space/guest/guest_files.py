@@ -8,11 +8,11 @@ import time
 if __package__:
     from . import protocol
     from .guest_base import GuestError, arg, close_fd, norm_path, write_all
-    from .guest_users import User, owner_name, resolve_user
+    from .guest_users import User, group_name, owner_name, resolve_user
 else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
     import protocol  # type: ignore[no-redef, import-not-found]
     from guest_base import GuestError, arg, close_fd, norm_path, write_all  # type: ignore[no-redef, import-not-found]
-    from guest_users import User, owner_name, resolve_user  # type: ignore[no-redef, import-not-found]
+    from guest_users import User, group_name, owner_name, resolve_user  # type: ignore[no-redef, import-not-found]
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
 if TYPE_CHECKING:
@@ -38,22 +38,34 @@ class Upload:
             self.q.get_nowait()
 
 
+def _kind(mode: int) -> str:
+    import stat as st
+
+    return ("dir" if st.S_ISDIR(mode) else "file" if st.S_ISREG(mode) else
+            "symlink" if st.S_ISLNK(mode) else "other")
+
+
 def file_entry(path: str) -> Header:
     import stat as st
 
     s = os.lstat(path)
     m = s.st_mode
-    kind = ("dir" if st.S_ISDIR(m) else "file" if st.S_ISREG(m) else
-            "symlink" if st.S_ISLNK(m) else "other")
+    kind = _kind(m)
     target = None
+    resolved: Header | None = None
     if kind == "symlink":
         try:
             target = os.readlink(path)
         except OSError:
             target = None
+        try:  # what the link leads to, all links followed (None when broken or looping)
+            t = os.stat(path)
+            resolved = {"path": os.path.realpath(path), "type": _kind(t.st_mode), "mode": st.S_IMODE(t.st_mode)}
+        except OSError:
+            resolved = None
     return {"name": os.path.basename(path) or "/", "path": path, "type": kind, "size": s.st_size,
             "mode": st.S_IMODE(m), "mtime": s.st_mtime, "owner": owner_name(s.st_uid),
-            "symlink_target": target}
+            "group": group_name(s.st_gid), "symlink_target": target, "resolved": resolved}
 
 
 def _makedirs(path: str, user: User | None) -> None:
@@ -105,8 +117,42 @@ def op_fs_read(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
 
 
 def op_fs_write(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
+    try:
+        return _fs_write(d, rid, h)
+    except OSError as exc:
+        import errno
+
+        # A full disk (or quota) is the caller's 507, not an internal error.
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise GuestError("insufficient_storage", f"not enough disk space: {exc.strerror}") from None
+        raise
+
+
+def _receive(up: Upload, fd: int) -> None:
+    """Write the upload's chunks to ``fd`` until its end."""
     import queue
 
+    idle_since = time.monotonic()
+    while True:
+        if up.aborted:
+            raise GuestError("invalid_request", "upload aborted")
+        try:
+            item = up.q.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() - idle_since > UPLOAD_IDLE:
+                raise GuestError("invalid_request", "upload stalled") from None
+            continue
+        idle_since = time.monotonic()
+        if item is None:
+            raise GuestError("invalid_request", "upload aborted")
+        data, eof = item
+        if data:
+            write_all(fd, data)
+        if eof:
+            return
+
+
+def _fs_write(d: Daemon, rid: Any, h: Header) -> Header:
     with d.lock:
         up = d.uploads.get(rid)
     if up is None:
@@ -124,27 +170,13 @@ def op_fs_write(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
         _makedirs(parent, user)
     elif not os.path.isdir(parent):
         raise GuestError("not_found", f"directory not found: {parent}")
+    if not h.get("atomic", True):
+        _write_in_place(up, path, mode, user)
+        return {"entry": file_entry(path)}
     tmp = os.path.join(parent, f".space-upload-{os.urandom(8).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        idle_since = time.monotonic()
-        while True:
-            if up.aborted:
-                raise GuestError("invalid_request", "upload aborted")
-            try:
-                item = up.q.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() - idle_since > UPLOAD_IDLE:
-                    raise GuestError("invalid_request", "upload stalled") from None
-                continue
-            idle_since = time.monotonic()
-            if item is None:
-                raise GuestError("invalid_request", "upload aborted")
-            data, eof = item
-            if data:
-                write_all(fd, data)
-            if eof:
-                break
+        _receive(up, fd)
         os.fchmod(fd, mode)
         if user is not None:
             os.fchown(fd, user.uid, user.gid)
@@ -160,6 +192,31 @@ def op_fs_write(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
             pass
         raise
     return {"entry": file_entry(path)}
+
+
+def _write_in_place(up: Upload, path: str, mode: int, user: User | None) -> None:
+    """Truncate and write ``path`` itself, as E2B's envd does: a watcher of the directory sees the
+    file's own create/chmod/write events (no temporary name), an existing file keeps its inode and
+    mode, and readers may see it half written."""
+    import stat as st
+
+    existed = os.path.lexists(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        if not existed and st.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)  # the umask took bits away
+        if user is not None:
+            os.fchown(fd, user.uid, user.gid)
+        _receive(up, fd)
+    except BaseException:
+        close_fd(fd)
+        if not existed:
+            try:  # noqa: SIM105 -- contextlib costs boot time
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    os.close(fd)
 
 
 def op_fs_stat(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:

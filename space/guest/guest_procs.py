@@ -106,7 +106,7 @@ class Command:
         return {"id": self.id, "pid": self.pid, "argv": argv, "state": self.state(),
                 "exit_code": self.exit_code, "signal": self.signal, "started_at": self.started_at,
                 "ended_at": self.ended_at, "pty": self.pty, "out_bytes": self.out_off,
-                "unacked": self.sent - self.acked, "buffered_bytes": self.buf_bytes}
+                "unacked": self.sent - self.acked, "buffered_bytes": self.buf_bytes, "seq": self.seq}
 
 
 class ProcessTable:

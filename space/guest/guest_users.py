@@ -73,6 +73,22 @@ def owner_name(uid: int) -> str:
     return name
 
 
+_groups: dict[int, str] = {}
+
+
+def group_name(gid: int) -> str:
+    name = _groups.get(gid)
+    if name is None:
+        try:
+            import grp
+
+            name = grp.getgrgid(gid).gr_name
+        except (KeyError, ImportError):
+            name = str(gid)
+        _groups[gid] = name
+    return name
+
+
 _TOOLS: dict[str, str | None] = {}
 
 

@@ -19,15 +19,26 @@ import structlog
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
 from space import ids, paths
-from space.errors import InvalidRequest, NotFound, PayloadTooLarge, RuntimeFailure, SpaceError, Unauthorized
+from space.errors import (
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    PayloadTooLarge,
+    RuntimeFailure,
+    SpaceError,
+    Unauthorized,
+)
 from space.guest.protocol import MAX_PAYLOAD
-from space.node import snapshots, template_save
+from space.node import snapshots, stats, template_save
 from space.node.egress import Egress
+from space.node.port_proxy import ports_router
 from space.node.sandboxes import LocalSandbox, SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import PoolKey, WarmPool, node_memory_mb
+from space.node.watch_routes import watch_router
 from space.web import guest_event_to_sse, install_error_handlers, sse
 
 log = structlog.get_logger("space.node.api")
@@ -97,6 +108,8 @@ class ResizeRequest(BaseModel):
 
 class PathRequest(BaseModel):
     path: str
+    #: Who owns what is created (default: the sandbox's user).
+    user: str | None = None
 
 
 class MoveRequest(BaseModel):
@@ -397,6 +410,13 @@ def create_node_app(
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 
+    @r.get("/sandboxes/{sandbox_id}/stats")
+    async def sandbox_stats(sandbox_id: str) -> dict[str, Any]:
+        sb = manager.get(sandbox_id)
+        if sb.status != "running" or sb.instance_id is None:
+            raise InvalidState(f"sandbox {sandbox_id} is {sb.status}", state=sb.status, allowed=[])
+        return await stats.sample(sb.instance_id, cpu_count=sb.cpu, memory_mb=sb.memory_mb)
+
     @r.get("/sandboxes/{sandbox_id}/activity")
     async def activity(sandbox_id: str) -> dict[str, Any]:
         return await manager.activity(sandbox_id)
@@ -566,7 +586,10 @@ def create_node_app(
         return StreamingResponse(body_iter(), media_type="application/octet-stream")
 
     @r.put("/sandboxes/{sandbox_id}/files")
-    async def write_file(sandbox_id: str, path: str, request: Request) -> dict[str, Any]:
+    async def write_file(sandbox_id: str, path: str, request: Request, user: str | None = None,
+                         atomic: bool = True) -> dict[str, Any]:
+        """Upload the body to ``path``, owned by ``user`` (default: the sandbox's user): through a
+        temporary file renamed into place, or (``atomic=false``, E2B's way) truncated and written."""
         p = paths.normalize(path)
         declared = request.headers.get("content-length")
         if declared is not None and int(declared) > max_upload_bytes:
@@ -584,7 +607,12 @@ def create_node_app(
                                           limit=max_upload_bytes)
                 yield chunk
 
-        res = await conn.upload("fs.write", limited(), path=p, user=sb.user)
+        try:
+            res = await conn.upload("fs.write", limited(), path=p, user=user or sb.user, atomic=atomic)
+        except ClientDisconnect:
+            # The API aborted the upload (over its limit, a bad gzip body): the guest has dropped
+            # its temporary file; nobody is left to answer.
+            raise InvalidRequest("the upload was aborted by its sender") from None
         return dict(res.get("entry", {}))
 
     @r.get("/sandboxes/{sandbox_id}/files/list")
@@ -605,7 +633,8 @@ def create_node_app(
     async def mkdir(sandbox_id: str, body: PathRequest) -> dict[str, Any]:
         conn = await manager.guest(sandbox_id)
         sb = manager.get(sandbox_id)
-        res = await conn.request("fs.mkdir", path=paths.normalize(body.path), parents=True, user=sb.user)
+        res = await conn.request("fs.mkdir", path=paths.normalize(body.path), parents=True,
+                                 user=body.user or sb.user)
         return dict(res.get("entry", {}))
 
     @r.post("/sandboxes/{sandbox_id}/files/move")
@@ -621,6 +650,8 @@ def create_node_app(
         return Response(status_code=204)
 
     app.include_router(r)
+    app.include_router(watch_router(manager), prefix="/v1", dependencies=[Depends(auth)])
+    app.include_router(ports_router(manager), prefix="/v1", dependencies=[Depends(auth)])
     return app
 
 

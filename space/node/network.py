@@ -15,7 +15,8 @@ node agents can share one host without colliding):
     DNS port (3053: the gateway needs no privilege to bind it): nothing leaves unseen;
   * a packet whose source address is not the one given to its interface is dropped (no spoofing:
     the gateway tells sandboxes apart by source address);
-  * from a sandbox interface the host accepts only the gateway's ports and rejects the rest (TCP
+  * from a sandbox interface the host accepts only the gateway's ports (and replies to the
+    connections the host's port proxy opened) and rejects the rest (TCP
     with a reset, so a client fails at once instead of waiting out a timeout);
   * nothing is forwarded to or from a sandbox interface: not to another sandbox, the host's
     networks, private ranges or metadata addresses. IPv6 from sandboxes is dropped.

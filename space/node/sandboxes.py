@@ -22,7 +22,7 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.node import shipping, snapshots, startup
+from space.node import port_proxy, shipping, snapshots, startup
 from space.node.artifacts import read_manifest
 from space.node.egress import Egress
 from space.node.guest_client import GuestConnection
@@ -371,6 +371,8 @@ class SandboxManager:
         sb.status = "stopping"
         with contextlib.suppress(OSError):
             self._save(sb)
+        # Proxied requests to its servers end now, not when TCP keepalive gives up on them.
+        await port_proxy.reset(sb.id)
         conn = self._guests.pop(sb.id, None)
         if conn is not None:
             await conn.close()
@@ -564,6 +566,7 @@ class SandboxManager:
                         # gVisor cannot save an established TCP connection (nor one in TIME_WAIT):
                         # every TCP peer of a sandbox is the gateway, which resets them first.
                         await self.egress.reset(sandbox_id, self.net(sandbox_id))
+                        await port_proxy.reset(sandbox_id)  # and so does the node's port proxy
                     if was_running:
                         await self.driver.pause(sb.instance_id)
                     f0 = time.perf_counter()

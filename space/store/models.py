@@ -26,6 +26,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -179,6 +181,15 @@ class Sandbox(Base):
     idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
     #: End of its maximum lifetime (None: unbounded).
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: What reaching ``expires_at`` does: ``delete`` it, or ``pause`` it (E2B's auto-pause; the
+    #: deadline is then cleared until a resume sets a new one).
+    expire_action: Mapped[str] = mapped_column(String(16), default="delete", server_default="delete")
+    #: Whether a data-plane call (exec, files) on a paused or suspended sandbox wakes it (SPACE's
+    #: default); when false such calls fail until it is resumed explicitly (E2B's default).
+    auto_resume: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    #: Whether E2B-style port traffic (``E2b-Sandbox-Port``, ``<port>-<id>.<domain>``) reaches its
+    #: servers without the sandbox's access token (E2B's ``allowPublicTraffic``).
+    public_ports: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     #: Per-sandbox snapshot schedule/retention overrides; interpreted by the scheduler, not here.
     snapshot_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Only moves forward (``Store.touch_sandbox``), so late activity reports cannot rewind it.
@@ -264,6 +275,11 @@ class Snapshot(Base):
     template_digest: Mapped[str | None] = mapped_column(String(128))
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
+    #: A name its owner gave it (not unique: listings filter on it).
+    name: Mapped[str | None] = mapped_column(String(128))
+    #: Kept when its sandbox is deleted: uploaded under the tenant's own prefix as it is taken,
+    #: and only an explicit delete removes it.
+    retain: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

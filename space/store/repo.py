@@ -69,7 +69,8 @@ _T = TypeVar("_T")
 SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
-     "snapshot_policy", "last_active_at", "parent_id", "source_snapshot", "snapshot_id", "egress", "secrets"}
+     "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
+     "source_snapshot", "snapshot_id", "egress", "secrets"}
 )
 
 #: Snapshot columns ``update_snapshot`` may change (identity, owner and origin are fixed).
@@ -573,9 +574,15 @@ class Store:
         statuses: Sequence[str] | None = None,
         node_id: str | None = None,
         restorable: bool | None = None,
+        name: str | None = None,
+        retain: bool | None = None,
     ) -> list[Snapshot]:
         """Snapshots, oldest first; every filter left None matches everything."""
         q = select(Snapshot).order_by(Snapshot.created_at, Snapshot.id)
+        if name is not None:
+            q = q.where(Snapshot.name == name)
+        if retain is not None:
+            q = q.where(Snapshot.retain.is_(retain))
         if sandbox_id is not None:
             q = q.where(Snapshot.sandbox_id == sandbox_id)
         if tenant is not None:
@@ -1274,6 +1281,7 @@ def _prepare_snapshot(snap: Snapshot, now: dt.datetime) -> None:
     _check_choice("snapshot origin", snap.origin, SNAPSHOT_ORIGINS)
     _check_choice("snapshot status", snap.status, SNAPSHOT_STATUSES)
     snap.restorable = bool(snap.restorable)
+    snap.retain = bool(snap.retain)
     snap.meta = dict(snap.meta or {})
     snap.created_at = snap.created_at or now
     snap.updated_at = snap.updated_at or now

@@ -95,3 +95,71 @@ async def test_verbs_before_setup_are_a_conflict(priv: InProcess, tmp_path: Path
     assert not (tmp_path / "data" / "network.json").exists()
     await priv.call("net.setup")
     assert json.loads((tmp_path / "data" / "network.json").read_text())["slot"]
+
+
+# In the namespace, a plain Linux process stands in for a sandbox's server (the rules see the same
+# packets from gVisor's netstack): it prints "ready", then echoes what one connection sends.
+_ECHO_ONCE = """
+import socket, sys
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", int(sys.argv[1])))
+srv.listen()
+print("ready", flush=True)
+conn, _ = srv.accept()
+conn.sendall(conn.recv(100))
+"""
+
+_CONNECT = """
+import socket, sys
+s = socket.socket()
+s.settimeout(10)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+async def test_host_opened_connections_get_replies_sandbox_opened_ones_do_not(priv: InProcess) -> None:
+    import asyncio
+    import socket
+
+    node = await priv.call("net.setup")
+    s = await priv.call("net.create", {"index": 3})
+    server = await asyncio.create_subprocess_exec("ip", "netns", "exec", s["netns"], "python3", "-c", _ECHO_ONCE,
+                                                  "8000", stdout=subprocess.PIPE)
+    listener = socket.socket()
+    try:
+        assert server.stdout is not None
+        assert (await asyncio.wait_for(server.stdout.readline(), 30)).strip() == b"ready"
+        # The host opens a connection into the sandbox: the replies come back (conntrack: reply
+        # direction of the host's connection).
+        with socket.create_connection((s["sandbox_ip"], 8000), timeout=10) as c:
+            c.sendall(b"ping")
+            assert c.recv(100) == b"ping"
+            # A closed port answers at once with a reset, which gets through as well.
+            try:
+                socket.create_connection((s["sandbox_ip"], 8001), timeout=10).close()
+                raise AssertionError("a closed port in the sandbox accepted a connection")
+            except ConnectionRefusedError:
+                pass
+            # While the host's connection is open, the sandbox still cannot open one to a host
+            # port that is not the gateway's: refused by the input chain, never accepted.
+            listener.bind((node["gateway_ip"], 0))
+            listener.listen()
+            listener.setblocking(False)
+            out = sh("ip", "netns", "exec", s["netns"], "python3", "-c", _CONNECT,
+                     node["gateway_ip"], str(listener.getsockname()[1]))
+            assert out.strip() == "ConnectionRefusedError"
+            try:
+                listener.accept()
+                raise AssertionError("a sandbox reached a host port")
+            except BlockingIOError:
+                pass
+    finally:
+        listener.close()
+        if server.returncode is None:
+            server.kill()
+        await server.wait()

@@ -82,6 +82,12 @@ class NodeNet:
         # `table ...; delete table ...; table ... {}`: replaced atomically, elements re-added after.
         # DNS to any address (the sandbox's resolver is the gateway address, port 53) goes to the
         # gateway's DNS port, which may be unprivileged: conntrack restores port 53 on the replies.
+        # Connections the host opens to a sandbox (the node's port proxy) get their replies: a
+        # packet in conntrack's *reply* direction of an entry whose first packet the host sent.
+        # A sandbox cannot forge that: its own first packet (a SYN, or a bare ACK picked up
+        # mid-stream) makes an entry whose original direction is the sandbox's, and the direction
+        # is conntrack's record, not anything in the packet. Its new connections still meet the
+        # rules below (only the gateway's ports).
         return f"""
 table inet {t}
 delete table inet {t}
@@ -97,6 +103,7 @@ table inet {t} {{
     type filter hook input priority filter - 10; policy accept;
     iifname {sv} meta nfproto ipv6 drop
     iifname {sv} iifname . ip saddr != @sandbox_src drop
+    iifname {sv} ct direction reply ct state established,related accept
     iifname {sv} ip daddr {gw} tcp dport {{ {self.proxy}, {self.transparent}, {self.dns} }} accept
     iifname {sv} ip daddr {gw} udp dport {self.dns} accept
     iifname {sv} meta l4proto tcp reject with tcp reset

@@ -1,0 +1,92 @@
+"""Servers inside a sandbox, reached through E2B's port routing: ``E2b-Sandbox-Port`` on the one
+URL (what SDKs ≥ 2.7 and e2b-code-interpreter use) and ``<port>-<id>.<domain>`` host names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import E2B_TEST_DOMAIN
+from tests.e2e import e2b_env
+from tests.e2e.harness import Server, runtime_available
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.runtime, pytest.mark.skipif(runtime_available() is not None,
+                                                      reason=str(runtime_available()))]
+
+e2b = pytest.importorskip("e2b")
+
+SERVER = """
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def _answer(self):
+        n = int(self.headers.get("content-length") or 0)
+        body = json.dumps({"path": self.path, "method": self.command, "body": self.rfile.read(n).decode(),
+                           "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(201 if self.command == "POST" else 200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_GET = do_POST = _answer
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def made(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[e2b_env.Sandboxes]:
+    e2b_env.point_sdk_at(monkeypatch, server)
+    yield from e2b_env.sandboxes()
+
+
+def _serve(sbx: e2b.Sandbox, server: Server) -> None:
+    sbx.files.write("/home/user/srv.py", SERVER)
+    sbx.commands.run("python3 /home/user/srv.py", background=True, timeout=0)
+
+    def up() -> bool:
+        r = httpx.get(f"{server.url}/", headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000"})
+        return r.status_code == 200
+
+    wait_for(up, timeout=30, what="the server in the sandbox")
+
+
+def test_port_traffic_reaches_the_sandbox_server(made: e2b_env.Sandboxes, server: Server) -> None:
+    sbx = e2b.Sandbox.create()
+    made.add(sbx.sandbox_id)
+    _serve(sbx, server)
+    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000", "x-access-token": "secret-ish"}
+    r = httpx.post(f"{server.url}/echo/a%20b?x=1", headers=h, content=b"payload")
+    assert r.status_code == 201
+    got = r.json()
+    assert got["path"] == "/echo/a%20b?x=1" and got["method"] == "POST" and got["body"] == "payload"
+    # The facade's routing headers and tokens are its own: the server never sees them.
+    assert not {"e2b-sandbox-id", "e2b-sandbox-port", "x-access-token"} & got["headers"].keys()
+    # The host form, as Sandbox.get_host() builds it (needs --e2b-domain).
+    assert sbx.get_host(8000) == f"8000-{sbx.sandbox_id}.e2b.app"  # the SDK's domain, not ours
+    host = f"8000-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}"
+    r = httpx.get(f"{server.url}/by-host", headers={"host": host})
+    assert r.status_code == 200 and r.json()["path"] == "/by-host"
+    # Nothing on that port: E2B's 502 wording, which the SDK maps to "unreachable".
+    closed = httpx.get(f"{server.url}/", headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8001"})
+    assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
+
+
+def test_private_ports_need_the_traffic_token(made: e2b_env.Sandboxes, server: Server) -> None:
+    sbx = e2b.Sandbox.create(network={"allow_public_traffic": False})
+    made.add(sbx.sandbox_id)
+    _serve_private = sbx.traffic_access_token
+    assert _serve_private
+    sbx.files.write("/home/user/srv.py", SERVER)
+    sbx.commands.run("python3 /home/user/srv.py", background=True, timeout=0)
+    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000"}
+
+    def up() -> bool:
+        r = httpx.get(f"{server.url}/", headers={**h, "e2b-traffic-access-token": sbx.traffic_access_token})
+        return r.status_code == 200
+
+    wait_for(up, timeout=30, what="the server in the sandbox")
+    assert httpx.get(f"{server.url}/", headers=h).status_code == 401
+    assert httpx.get(f"{server.url}/", headers={**h, "e2b-traffic-access-token": "wrong"}).status_code == 401
