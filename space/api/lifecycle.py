@@ -97,13 +97,28 @@ async def resume(sandbox_id: str, who: Auth, st: St, idempotency_key: IdemKey = 
     return await start_action(st, who, sandbox_id, Action.RESUME, "sandbox.resume", {}, idempotency_key)
 
 
+class SuspendBody(BaseModel):
+    #: False keeps only the files (a disk snapshot): smaller and faster, and a restore boots the
+    #: sandbox afresh instead of resuming its processes.
+    memory: bool = True
+
+
 @router.post("/{sandbox_id}/suspend", status_code=202)
-async def suspend(sandbox_id: str, who: Auth, st: St, idempotency_key: IdemKey = None) -> JSONResponse:
-    sb = await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
+async def suspend(sandbox_id: str, who: Auth, st: St, body: SuspendBody | None = None,
+                  idempotency_key: IdemKey = None) -> JSONResponse:
+    who.require_write()
+    sb, op = await start_suspend(st, who.tenant, sandbox_id, memory=body.memory if body else True,
+                                 idempotency_key=idempotency_key)
+    return JSONResponse({"sandbox": views.sandbox(sb), "operation": views.operation(op)}, status_code=202)
+
+
+async def start_suspend(st: AppState, tenant: str, sandbox_id: str, *, memory: bool = True,
+                        idempotency_key: str | None = None) -> tuple[Sandbox, Operation]:
+    sb = await st.store.get_sandbox(sandbox_id, tenant=tenant)
     require(sb.state, Action.SUSPEND)
-    snap = new_snapshot(sb, "full", "suspend")
-    return await start_action(st, who, sandbox_id, Action.SUSPEND, "sandbox.suspend", {"snapshot": snap.id},
-                              idempotency_key, snapshot=snap)
+    snap = new_snapshot(sb, "full" if memory else "disk", "suspend")
+    return await enqueue_action(st, tenant, sandbox_id, Action.SUSPEND, "sandbox.suspend",
+                                {"snapshot": snap.id, "memory": memory}, idempotency_key, snapshot=snap)
 
 
 @router.post("/{sandbox_id}/restore", status_code=202)

@@ -59,8 +59,9 @@ class CreateSandboxBody(BaseModel):
     secrets: list[str] = Field(default_factory=list, max_length=64)
     #: The middle level of secret scopes.
     project: str = Field("", max_length=128, pattern=r"^([a-zA-Z0-9][a-zA-Z0-9_.-]*)?$")
-    #: What the end of ``lifetime_s`` does: delete the sandbox, or pause it.
-    on_expire: Literal["delete", "pause"] = "delete"
+    #: What the end of ``lifetime_s`` does: delete the sandbox, pause it, or suspend it (with its
+    #: memory, or its files only: ``suspend_disk``).
+    on_expire: Literal["delete", "pause", "suspend", "suspend_disk"] = "delete"
     #: Whether exec and file calls on a paused or suspended sandbox wake it (else they answer 409).
     auto_resume: bool = True
     #: Start from this snapshot (files, and with a full one the processes) instead of the template.
@@ -259,7 +260,7 @@ class UpdateSandboxBody(BaseModel):
     lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
     snapshot_policy: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    on_expire: Literal["delete", "pause"] | None = None
+    on_expire: Literal["delete", "pause", "suspend", "suspend_disk"] | None = None
     auto_resume: bool | None = None
 
 

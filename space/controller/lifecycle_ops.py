@@ -189,7 +189,9 @@ class LifecycleOps:
         node = await self._node_of(sb)
         prefix = object_prefix(sb, snap_id)
         res = await node.call("POST", f"/v1/sandboxes/{sb.id}/suspend",
-                              json_body={"snapshot": snap_id, "prefix": prefix}, timeout=LONG)
+                              json_body={"snapshot": snap_id, "prefix": prefix,
+                                         "kind": "full" if op.request.get("memory", True) else "disk"},
+                              timeout=LONG)
         # Restorable only now: every artifact and the manifest are in object storage.
         await self.store.update_snapshot(snap_id, status="ready", restorable=True, object_key=prefix,
                                          node_id=None, size_bytes=res.get("bytes"),

@@ -76,15 +76,23 @@ class Policies:
     async def _expire(self, sb: Sandbox, now: dt.datetime) -> bool:
         if sb.expires_at is None or sb.expires_at > now:
             return False
-        if sb.expire_action == "pause":
-            # The deadline is cleared after the pause is enqueued: a crash in between leaves a
-            # paused (or pausing) sandbox whose next tick only clears it.
-            paused = sb.state == State.RUNNING
-            if paused:
+        if sb.expire_action in ("pause", "suspend", "suspend_disk"):
+            # The deadline is cleared after the action is enqueued: a crash in between leaves a
+            # paused or suspending sandbox whose next tick only clears it.
+            acted = sb.state == State.RUNNING
+            if acted and sb.expire_action == "pause":
                 await self._enqueue(sb, "sandbox.pause", {"reason": "timeout"})
                 await self.ops.event(sb, "expired", "its timeout ran out: pausing it")
+            elif acted:
+                memory = sb.expire_action == "suspend"
+                snap = new_snapshot(sb, "full" if memory else "disk", "suspend")
+                await self._enqueue(sb, "sandbox.suspend", {"snapshot": snap.id, "memory": memory,
+                                                            "reason": "timeout"},
+                                    state=State.SUSPENDING, snapshot=snap)
+                await self.ops.event(sb, "expired", "its timeout ran out: suspending it"
+                                     + ("" if memory else " (its files only)"))
             await self.store.update_sandbox(sb.id, expires_at=None)
-            return paused
+            return acted
         await self._enqueue(sb, "sandbox.delete", {"reason": "lifetime"}, state=State.TERMINATING)
         await self.ops.event(sb, "expired", "its maximum lifetime ran out: deleting it")
         return True

@@ -29,9 +29,9 @@ from space.api.auditing import AuditMiddleware
 from space.api.auth import Principal, principal, principal_of_key
 from space.api.dataplane import wait_operation
 from space.api.egress import push as egress_push
-from space.api.lifecycle import ForkBody, enqueue_action, fork_sandbox
+from space.api.lifecycle import ForkBody, enqueue_action, fork_sandbox, start_suspend
 from space.api.state import AppState, app_state
-from space.e2b.edge import envd_token, json_body
+from space.e2b.edge import envd_token, json_body, timed_out
 from space.errors import InvalidState, NotFound, SpaceError, Unauthorized
 from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State
@@ -49,6 +49,8 @@ WAIT: Final = 300.0
 #: E2B "paused": every state a paused E2B sandbox can be in here.
 PAUSED_STATES: Final = (State.PAUSED, State.SUSPENDING, State.SUSPENDED, State.RESTORING)
 LIVE_STATES: Final = (State.CREATING, State.RUNNING, *PAUSED_STATES)
+#: How far outside a metrics query's range a sample taken now may fall and still be returned.
+METRICS_SLACK: Final = 5.0
 #: A sandbox without a deadline reports one this far in the future (``endAt`` is required).
 NO_DEADLINE: Final = dt.timedelta(days=3650)
 
@@ -116,9 +118,21 @@ def listed_view(sb: Sandbox) -> dict[str, Any]:
 def detail_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
     return {**listed_view(sb), "envdAccessToken": envd_token(st.secret, sb.id), "domain": None,
             "allowInternetAccess": (sb.egress or {}).get("default") != "deny",
-            "lifecycle": {"onTimeout": "pause" if sb.expire_action == "pause" else "kill",
+            "lifecycle": {"onTimeout": "kill" if sb.expire_action == "delete" else "pause",
                           "autoResume": bool(sb.auto_resume)},
-            "pauseMode": "full"}
+            "pauseMode": "filesystem" if _files_only(sb) else "full"}
+
+
+async def _files_only_snapshot(st: AppState, sb: Sandbox) -> bool:
+    """Whether the sandbox is suspended as its files only (a resume boots it afresh anyway)."""
+    if sb.state != State.SUSPENDED or sb.snapshot_id is None:
+        return False
+    return (await st.store.get_snapshot(sb.snapshot_id)).kind == "disk"
+
+
+def _files_only(sb: Sandbox) -> bool:
+    """Whether its pause (on timeout, or the one it is in) keeps only its files."""
+    return sb.expire_action == "suspend_disk"
 
 
 # -- bodies ---------------------------------------------------------------------------------------
@@ -144,6 +158,8 @@ class NewSandbox(BaseModel):
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     auto_pause: bool = Field(False, alias="autoPause")
+    #: False: the timeout keeps the files only (a resume boots afresh).
+    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(None, alias="autoResume")
     allow_internet_access: bool | None = None
     network: Network | None = None
@@ -207,7 +223,7 @@ async def _live(st: AppState, who: Principal, sandbox_id: str) -> Sandbox:
         sb = await st.store.get_sandbox(_short_id(sandbox_id), tenant=who.tenant)
     except NotFound:
         raise E2BError(404, f"sandbox {sandbox_id} not found") from None
-    if sb.state not in LIVE_STATES:
+    if sb.state not in LIVE_STATES or (timed_out(sb) and sb.expire_action == "delete"):
         raise E2BError(404, f"sandbox {sandbox_id} not found ({sb.state})")
     return sb
 
@@ -256,6 +272,13 @@ async def _wake(st: AppState, sb: Sandbox) -> Sandbox:
 router = APIRouter()
 
 
+def _on_expire(body: NewSandbox) -> str:
+    if not body.auto_pause:
+        return "delete"
+    # A filesystem-only auto-pause is a suspend of the files: nothing of its memory is kept.
+    return "suspend_disk" if body.auto_pause_memory is False else "pause"
+
+
 async def _create(st: AppState, who: Principal, body: NewSandbox, idempotency_key: str | None) -> Response:
     timeout = DEFAULT_TIMEOUT if body.timeout is None else body.timeout
     # ``Sandbox.create(<snapshot id>)``: the template is the snapshot's (space.e2b.snapshots).
@@ -263,7 +286,7 @@ async def _create(st: AppState, who: Principal, body: NewSandbox, idempotency_ke
         "template": body.template_id}
     space_body = space_sandboxes.CreateSandboxBody.model_validate({
         **source, "env": body.env_vars or {}, "metadata": body.metadata or {},
-        "lifetime_s": max(1, timeout), "on_expire": "pause" if body.auto_pause else "delete",
+        "lifetime_s": max(1, timeout), "on_expire": _on_expire(body),
         "auto_resume": bool(body.auto_resume and body.auto_resume.enabled),
         "egress": egress_of(body.allow_internet_access, body.network),
     })
@@ -294,12 +317,17 @@ async def _connect(st: AppState, who: Principal, sandbox_id: str, timeout: int |
                    memory: bool | None = None) -> Response:
     who.require_write()
     sb = await _live(st, who, sandbox_id)
-    if memory is False and sb.state in PAUSED_STATES:
+    if memory is False and sb.state in PAUSED_STATES and not await _files_only_snapshot(st, sb):
         # The SDK's contract: refused where unsupported, never silently restored with memory.
         raise E2BError(400, "resuming from the disk state only (on_resume='reboot') is not supported by this "
                             "server; connect without it to restore the sandbox with its memory")
     if sb.state == State.CREATING:
         sb = await _wait_running(st, sb.id, f"creating sandbox {sb.id}")
+    if sb.state == State.RUNNING and timed_out(sb):
+        # Its timeout ran out and its auto-pause is due (_live refused one due to be killed): pause
+        # it now, whoever gets there first, then resume it below like any paused sandbox.
+        await _pause_now(st, sb)
+        sb = await st.store.get_sandbox(sb.id)
     if sb.state == State.RUNNING:
         if timeout is not None:
             new_end = _deadline(timeout)
@@ -375,8 +403,14 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Auth, st: St) -> 
     return Response(status_code=204)
 
 
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    #: False: keep only the files (``pause(keep_memory=False)``): a resume boots afresh.
+    memory: bool | None = None
+
+
 @router.post("/sandboxes/{sandbox_id}/pause")
-async def pause(sandbox_id: str, who: Auth, st: St) -> Response:
+async def pause(sandbox_id: str, who: Auth, st: St, body: PauseBody | None = None) -> Response:
     who.require_write()
     sb = await _live(st, who, sandbox_id)
     if sb.state == State.CREATING:
@@ -384,11 +418,28 @@ async def pause(sandbox_id: str, who: Auth, st: St) -> Response:
     if sb.state != State.RUNNING:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     try:
-        _, op = await enqueue_action(st, who.tenant, sb.id, Action.PAUSE, "sandbox.pause", {})
+        if body is not None and body.memory is False:
+            # Only the files are kept: a suspend of a disk snapshot (the memory is let go).
+            _, op = await start_suspend(st, who.tenant, sb.id, memory=False)
+        else:
+            _, op = await enqueue_action(st, who.tenant, sb.id, Action.PAUSE, "sandbox.pause", {})
     except InvalidState as exc:
         raise E2BError(409, exc.message) from None
     await _finish(st, op, f"pausing sandbox {sb.id}")
     return Response(status_code=204)
+
+
+async def _pause_now(st: AppState, sb: Sandbox) -> None:
+    """Pause a running sandbox, or wait for the pause someone else (the controller's timeout
+    policy) already started."""
+    try:
+        _, op = await enqueue_action(st, sb.tenant, sb.id, Action.PAUSE, "sandbox.pause", {"reason": "timeout"})
+    except InvalidState:
+        pending = await st.store.find_operations(target=sb.id, kind="sandbox.pause", status=["pending", "running"])
+        if not pending:
+            return  # it is not running any more: the caller looks again
+        op = pending[0]
+    await _finish(st, op, f"pausing sandbox {sb.id}")
 
 
 def _metadata_filter(raw: str | None) -> dict[str, str]:
@@ -445,7 +496,7 @@ async def list_v2(
             raise E2BError(400, "startedAfter must be an ISO 8601 time") from None
         if after.tzinfo is None:
             after = after.replace(tzinfo=dt.UTC)
-        rows = [sb for sb in rows if sb.created_at > after]
+        rows = [sb for sb in rows if sb.created_at >= after]
     rows.sort(key=lambda sb: (sb.created_at.timestamp(), sb.id), reverse=order == "desc")
     if next_token:
         cursor = _decode_token(next_token)
@@ -469,10 +520,14 @@ async def list_v1(who: Auth, st: St, metadata: str | None = None) -> Response:
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
-async def metrics(sandbox_id: str, who: Auth, st: St) -> Response:
-    """One sample taken now (SPACE keeps no history): a paused sandbox has none."""
+async def metrics(sandbox_id: str, who: Auth, st: St, start: int | None = None, end: int | None = None) -> Response:
+    """One sample taken now (SPACE keeps no history), when now is in the asked range (unix seconds;
+    a few seconds of slack, as E2B's samples are aligned to buckets): a paused sandbox has none."""
     sb = await _live(st, who, sandbox_id)
+    now = time.time()
     if sb.state != State.RUNNING or sb.node_id is None:
+        return json_body([])
+    if (start is not None and now < start - METRICS_SLACK) or (end is not None and now > end + METRICS_SLACK):
         return json_body([])
     node = await st.nodes.client(sb.node_id)
     try:

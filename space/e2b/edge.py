@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import datetime as dt
 import hashlib
 import hmac
 import json
@@ -155,6 +156,10 @@ async def target(st: AppState, request: Request, *, authorized: bool = False) ->
     state = State(sb.state)
     if state != State.RUNNING and not (state in WAKE and sb.auto_resume) and state != State.RESTORING:
         raise EdgeError(sb.id)
+    if timed_out(sb):
+        # Its timeout ran out and the controller's next tick will act on it: for E2B it ended at
+        # its deadline, not up to a tick later.
+        raise EdgeError(sb.id)
     try:
         sb, node = await running_sandbox(st, sb.id, sb.tenant)
     except (InvalidState, NotFound):
@@ -162,6 +167,11 @@ async def target(st: AppState, request: Request, *, authorized: bool = False) ->
     # Who the audit names: the sandbox's tenant, acting through the sandbox's envd token.
     request.state.principal = Principal(key_id=ENVD_ACTOR, tenant=sb.tenant, role="member")
     return Target(sb, node, basic_user(request))
+
+
+def timed_out(sb: Sandbox) -> bool:
+    """Whether the sandbox's E2B timeout has run out (it is being killed or paused)."""
+    return sb.expires_at is not None and sb.expires_at <= dt.datetime.now(dt.UTC) and sb.state == State.RUNNING
 
 
 def basic_user(request: Request) -> str | None:

@@ -13,7 +13,7 @@ import json
 import os
 import signal as signal_mod
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
@@ -152,6 +152,9 @@ class ShipRequest(BaseModel):
     prefix: str = Field(..., min_length=1, max_length=512)
     token: str | None = None
     egress: EgressConfig | None = None
+    #: Suspend only: ``full`` keeps memory (a restore resumes the processes), ``disk`` only the
+    #: files (a restore boots afresh).
+    kind: Literal["full", "disk"] = "full"
 
 
 class EnsureTemplate(BaseModel):
@@ -401,7 +404,7 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/suspend")
     async def suspend(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
-        return await manager.suspend(sandbox_id, body.snapshot, body.prefix)
+        return await manager.suspend(sandbox_id, body.snapshot, body.prefix, kind=body.kind)
 
     @r.post("/sandboxes/{sandbox_id}/restore")
     async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:

@@ -558,6 +558,12 @@ class SandboxManager:
             freeze_ms = 0.0
             try:
                 if kind == "disk":
+                    if stay_paused and sb.status == "running":
+                        # A suspend: nothing writes to the root once it is taken.
+                        assert sb.instance_id
+                        await self.driver.pause(sb.instance_id)
+                        sb.status = "paused"
+                        self._save(sb)
                     await self.pool.snapshot(self._dir(sandbox_id) / "rootfs", d / "rootfs", readonly=True)
                 else:
                     assert sb.instance_id
@@ -704,10 +710,11 @@ class SandboxManager:
         return self.objects
 
     async def suspend(self, sandbox_id: str, snap_id: str, prefix: str,
-                      on_progress: shipping.Progress | None = None) -> dict[str, Any]:
-        """Freeze, take a full snapshot and ship it (template first, then artifacts, then manifest).
-        The sandbox stays paused here: the caller evicts it once the snapshot is recorded."""
-        await self.take_snapshot(sandbox_id, snap_id, "full", stay_paused=True)
+                      on_progress: shipping.Progress | None = None, *, kind: str = "full") -> dict[str, Any]:
+        """Freeze, take a snapshot (``full``: with memory; ``disk``: the files only) and ship it
+        (template first, then artifacts, then manifest). The sandbox stays paused here: the caller
+        evicts it once the snapshot is recorded."""
+        await self.take_snapshot(sandbox_id, snap_id, kind, stay_paused=True)
         return await self.upload_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
 
     async def upload_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,

@@ -181,8 +181,9 @@ class Sandbox(Base):
     idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
     #: End of its maximum lifetime (None: unbounded).
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
-    #: What reaching ``expires_at`` does: ``delete`` it, or ``pause`` it (E2B's auto-pause; the
-    #: deadline is then cleared until a resume sets a new one).
+    #: What reaching ``expires_at`` does: ``delete`` it, ``pause`` it (E2B's auto-pause), or
+    #: ``suspend`` it (``suspend_disk``: its files only); the deadline is then cleared until a
+    #: resume sets a new one.
     expire_action: Mapped[str] = mapped_column(String(16), default="delete", server_default="delete")
     #: Whether a data-plane call (exec, files) on a paused or suspended sandbox wakes it (SPACE's
     #: default); when false such calls fail until it is resumed explicitly (E2B's default).

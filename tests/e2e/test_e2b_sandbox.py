@@ -235,3 +235,26 @@ def test_pause_cuts_open_streams_and_connect_picks_up(made: e2b_env.Sandboxes) -
     again = e2b.Sandbox.connect(s.sandbox_id)
     result = again.commands.connect(handle.pid).wait()
     assert result.stdout == "finished\n"
+
+
+def test_pause_without_memory_keeps_files_and_boots_afresh(made: e2b_env.Sandboxes) -> None:
+    s = _create(made)
+    s.files.write("/home/user/marker.txt", "persisted")
+    boot = s.files.read("/proc/sys/kernel/random/boot_id").strip()
+    assert s.pause(keep_memory=False) is True
+    assert e2b.Sandbox.get_info(s.sandbox_id).state.value == "paused"
+    again = s.connect()
+    assert again.files.read("/home/user/marker.txt") == "persisted"
+    assert again.files.read("/proc/sys/kernel/random/boot_id").strip() != boot
+
+
+def test_auto_pause_files_only(made: e2b_env.Sandboxes) -> None:
+    s = _create(made, timeout=3, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    boot = s.files.read("/proc/sys/kernel/random/boot_id").strip()
+
+    def paused() -> bool:
+        return bool(e2b.Sandbox.get_info(s.sandbox_id).state.value == "paused")
+
+    wait_for(paused, timeout=60, what="the timeout to pause the sandbox (files only)")
+    again = s.connect()
+    assert again.files.read("/proc/sys/kernel/random/boot_id").strip() != boot

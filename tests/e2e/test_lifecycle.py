@@ -169,6 +169,26 @@ def test_suspend_uploads_then_restore_brings_files_and_processes_back(api: httpx
     api.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_suspend_without_memory_keeps_files_and_boots_afresh(api: httpx.Client, server: Server) -> None:
+    sid = create_sandbox(api)
+    start_counter(api, sid)
+    sh(api, sid, "echo kept > /home/user/kept")
+    boot = sh(api, sid, "cat /proc/sys/kernel/random/boot_id")
+    act(api, sid, "suspend", {"memory": False})
+    sb = api.get(f"/v1/sandboxes/{sid}").json()
+    assert sb["state"] == "suspended"
+    snap = api.get(f"/v1/snapshots/{sb['snapshot_id']}").json()
+    assert snap["kind"] == "disk" and snap["restorable"]
+    manifest = server.data_dir / "objects" / f"tenants/default/sandboxes/{sid}/snapshots/{snap['id']}/manifest.json"
+    names = {a["name"] for a in json.loads(manifest.read_text())["artifacts"]}
+    assert "rootfs.btrfs.zst" in names and not any(n.startswith("checkpoint/") for n in names)
+    act(api, sid, "restore")
+    assert sh(api, sid, "cat /home/user/kept") == "kept\n"
+    assert sh(api, sid, "cat /proc/sys/kernel/random/boot_id") != boot  # booted, not resumed
+    assert "sleep" not in sh(api, sid, "ps -eo args")  # the counter's processes are gone
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_a_call_to_a_suspended_sandbox_restores_it(api: httpx.Client) -> None:
     sid = create_sandbox(api)
     act(api, sid, "suspend")
