@@ -24,7 +24,7 @@ import subprocess
 import time
 from typing import Any
 
-from bench.lifecycle import Bench, ms_since, summary
+from bench.lifecycle import Bench, ms_since, summary, table_row
 from tests.e2e.harness import wait_operation
 
 PARTS = ("warm", "sustained", "concurrent")
@@ -32,25 +32,25 @@ POOL = 2
 COLD_MEMORY = 768  # a size no pool keeps: creates of it boot cold
 
 
-def _set_pool(b: Bench, size: int, memory_mb: int = 512) -> None:
+def set_pool(b: Bench, size: int, memory_mb: int = 512) -> None:
     r = b.c.put("/v1/pools/base", json={"size": size, "memory_mb": memory_mb})
     if r.status_code != 200:
         raise b.fail(f"PUT /v1/pools/base size={size}", r.text)
 
 
-def _ready(b: Bench, memory_mb: int = 512) -> int:
+def ready(b: Bench, memory_mb: int = 512) -> int:
     for p in b.get("/v1/pools")["pools"]:
         if p["template"] == "base" and p["memory_mb"] == memory_mb:
             return int(p["ready"])
     return 0
 
 
-def _wait_ready(b: Bench, n: int, timeout: float = 120.0, *, settled: bool = False) -> None:
+def wait_ready(b: Bench, n: int, timeout: float = 120.0, *, settled: bool = False) -> None:
     """Until ``n`` warm sandboxes are ready; with ``settled`` also until the node has finished
     removing deleted sandboxes (``runsc delete`` takes ~1 s of CPU in the background)."""
     deadline = time.monotonic() + timeout
     trash = b.pool / "trash"
-    while _ready(b) < n or (settled and trash.exists() and any(trash.iterdir())):
+    while ready(b) < n or (settled and trash.exists() and any(trash.iterdir())):
         if time.monotonic() > deadline:
             raise b.fail(f"the warm pool did not reach {n} ready", b.get("/v1/pools"))
         time.sleep(0.02)
@@ -123,11 +123,11 @@ def bench_warm(b: Bench, n: int) -> dict[str, Any]:
     warm_exec_ms: list[float] = []
     cold_ms: list[float] = []
     cold_fallbacks = 0
-    _set_pool(b, POOL)
+    set_pool(b, POOL)
     with b.sandboxes() as ids:
         for i in range(n):
             # A full pool and a settled node: the create alone (bench_sustained has the busy case).
-            _wait_ready(b, POOL, settled=True)
+            wait_ready(b, POOL, settled=True)
             ms, sid, warm = _create(b)
             if not warm:
                 ids.append(sid)
@@ -140,13 +140,13 @@ def bench_warm(b: Bench, n: int) -> dict[str, Any]:
                 cold_ms.append(ms)
                 b.delete([cid])
         for _ in range(max(5, n // 4)):  # create → first exec, on its own so deletes stay out of it
-            _wait_ready(b, POOL, settled=True)
+            wait_ready(b, POOL, settled=True)
             t0 = time.perf_counter()
             _, sid, _ = _create(b)
             _first_exec(b, sid)
             warm_exec_ms.append(ms_since(t0))
             b.delete([sid])
-        _set_pool(b, 0)
+        set_pool(b, 0)
         _, ref, _ = _create(b, memory_mb=COLD_MEMORY)  # whose bundle the bare runtime boots
         ids.append(ref)
         raw = _runsc_create_start(b, ref, max(5, n // 3))
@@ -160,8 +160,8 @@ def bench_warm(b: Bench, n: int) -> dict[str, Any]:
 def bench_sustained(b: Bench, seconds: float, pool: int) -> dict[str, Any]:
     """Create as fast as one client can for ``seconds``, deleting each sandbox right after (so the
     node holds a bounded number), while the pool of ``pool`` refills."""
-    _set_pool(b, pool)
-    _wait_ready(b, pool)
+    set_pool(b, pool)
+    wait_ready(b, pool)
     lat: list[float] = []
     warm = 0
     deletes: list[str] = []
@@ -179,7 +179,7 @@ def bench_sustained(b: Bench, seconds: float, pool: int) -> dict[str, Any]:
     finally:
         for op in deletes:
             wait_operation(b.c, op, timeout=300)
-        _set_pool(b, 0)
+        set_pool(b, 0)
     return {"seconds": elapsed, "creates": len(lat), "creates_per_s": len(lat) / elapsed,
             "warm_share": warm / len(lat) if lat else 0.0, "pool": pool, "latency_ms": summary(lat)}
 
@@ -192,11 +192,11 @@ def _burst(b: Bench, k: int) -> tuple[list[float], int, list[str]]:
 
 def bench_concurrent(b: Bench, k: int, pool: int) -> dict[str, Any]:
     """``k`` creates at once with a full pool of ``pool``, then the same with no pool."""
-    _set_pool(b, pool)
-    _wait_ready(b, pool)
+    set_pool(b, pool)
+    wait_ready(b, pool)
     lat, warm, ids = _burst(b, k)
     b.delete(ids)
-    _set_pool(b, 0)
+    set_pool(b, 0)
     cold_lat, _, ids = _burst(b, k)
     b.delete(ids)
     s, c = summary(lat), summary(cold_lat)
@@ -218,35 +218,30 @@ def run_all(b: Bench, parts: tuple[str, ...], *, quick: bool, log: Any) -> dict[
     return out
 
 
-def _row(metric: str, s: dict[str, float], base: str = "", ratio: float | None = None) -> str:
-    r = "" if ratio is None else f"{ratio:.3g}"
-    return f"| {metric} | {s['p50']:.1f} | {s['p90']:.1f} | {s['p99']:.1f} | {int(s['n'])} | {base} | {r} |"
-
-
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows: list[str] = []
     notes: list[str] = []
     if "warm" in res:
         w = res["warm"]
-        rows.append(_row("create, warm pool → running (ms)", w["warm_create_ms"],
+        rows.append(table_row("create, warm pool → running (ms)", w["warm_create_ms"],
                          f"{w['cold_create_ms']['p50']:.0f} (cold create)", w["ratio_warm_vs_cold_p50"]))
-        rows.append(_row("create, warm pool → first exec done (ms)", w["warm_create_exec_ms"]))
-        rows.append(_row("create, cold → running (ms)", w["cold_create_ms"],
+        rows.append(table_row("create, warm pool → first exec done (ms)", w["warm_create_exec_ms"]))
+        rows.append(table_row("create, cold → running (ms)", w["cold_create_ms"],
                          f"{w['runsc_create_start_ms']['p50']:.0f} (`runsc create`+`start`)",
                          w["ratio_cold_vs_runsc_p50"]))
-        rows.append(_row("`runsc create`+`start`, same root (ms)", w["runsc_create_start_ms"]))
+        rows.append(table_row("`runsc create`+`start`, same root (ms)", w["runsc_create_start_ms"]))
         notes.append(f"warm create vs bare `runsc create`+`start`: {w['ratio_warm_vs_runsc_p50']:.3g}x "
                      f"(p50); cold fallbacks during the warm run: {w['cold_fallbacks']}")
     if "sustained" in res:
         s = res["sustained"]
-        rows.append(_row(f"sustained create+delete for {s['seconds']:.0f}s, pool {s['pool']} (ms)",
+        rows.append(table_row(f"sustained create+delete for {s['seconds']:.0f}s, pool {s['pool']} (ms)",
                          s["latency_ms"]))
         notes.append(f"sustained: {s['creates_per_s']:.2f} creates/s over {s['seconds']:.0f}s "
                      f"({s['creates']} creates, {s['warm_share']:.0%} served by the pool while it refilled)")
     if "concurrent" in res:
         c = res["concurrent"]
-        rows.append(_row(f"{c['burst']} concurrent creates, pool {c['pool']} (ms)", c["with_pool_ms"],
+        rows.append(table_row(f"{c['burst']} concurrent creates, pool {c['pool']} (ms)", c["with_pool_ms"],
                          f"{c['no_pool_ms']['p50']:.0f} (same burst, no pool)", c["ratio_p50"]))
-        rows.append(_row(f"{c['burst']} concurrent creates, no pool (ms)", c["no_pool_ms"]))
+        rows.append(table_row(f"{c['burst']} concurrent creates, no pool (ms)", c["no_pool_ms"]))
         notes.append(f"concurrent: {c['served_warm']}/{c['burst']} served warm; p99 ratio {c['ratio_p99']:.3g}")
     return rows, notes

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.lifecycle import Bench, _row, ms_since, summary
+from bench.lifecycle import Bench, ms_since, summary, table_row
 from tests.e2e.harness import Server
 
 PARTS = ("density",)
@@ -479,13 +479,13 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     for state, label in (("running", "running"), ("paused", "paused (`POST pause` / `runsc pause`)"),
                          ("frozen", "cgroup-frozen")):
         s, bs = res[state]["space"]["ms_per_s"], res[state]["baseline"]["ms_per_s"]
-        rows.append(_row(f"host CPU of an idle sandbox, {label} (ms/s)", s, f"{bs['p50']:.1f} {bare}",
+        rows.append(table_row(f"host CPU of an idle sandbox, {label} (ms/s)", s, f"{bs['p50']:.1f} {bare}",
                          s["p50"] / bs["p50"] if bs["p50"] > 0 else "", fmt="{:.1f}"))
     mib = float(2**20)
     for key, label in (("pss_bytes", "PSS"), ("memcg_bytes", "memcg usage")):
         s = {k: v / mib if k != "n" else v for k, v in res["memory"]["space"][key].items()}
         bs = {k: v / mib if k != "n" else v for k, v in res["memory"]["baseline"][key].items()}
-        rows.append(_row(f"{label} of an idle sandbox (MiB)", s, f"{bs['p50']:.1f} {bare}", s["p50"] / bs["p50"]))
+        rows.append(table_row(f"{label} of an idle sandbox (MiB)", s, f"{bs['p50']:.1f} {bare}", s["p50"] / bs["p50"]))
     d = res["derived"]
     rows.append(_one("idle running sandboxes one core holds (CPU)", d["space"]["per_core_running"],
                      d["baseline"]["per_core_running"], bare, "{:.0f}"))
@@ -494,11 +494,11 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows.append(_one("idle sandboxes per GiB (PSS)", d["space"]["per_gib_pss"], d["baseline"]["per_gib_pss"],
                      bare, "{:.0f}"))
     te, pe = res["thaw_exec_ms"], res["plain_exec_ms"]
-    rows.append(_row("thaw a frozen sandbox → first exec done (ms)", te, f"{pe['p50']:.1f} (exec, not frozen)",
+    rows.append(table_row("thaw a frozen sandbox → first exec done (ms)", te, f"{pe['p50']:.1f} (exec, not frozen)",
                      te["p50"] / pe["p50"]))
     if (r := res.get("restore")) and "wall_ms" in r:
-        rows.append(_row("`runsc restore` of an idle sandbox's checkpoint, wall (ms)", r["wall_ms"], fmt="{:.0f}"))
-        rows.append(_row("host CPU that restore costs (ms, sandbox + CLI)",
+        rows.append(table_row("`runsc restore` of an idle sandbox's checkpoint, wall (ms)", r["wall_ms"], fmt="{:.0f}"))
+        rows.append(table_row("host CPU that restore costs (ms, sandbox + CLI)",
                          {k: r["sandbox_cpu_ms"][k] + r["cli_cpu_ms"][k] if k != "n" else r["sandbox_cpu_ms"][k]
                           for k in r["sandbox_cpu_ms"]}, fmt="{:.0f}"))
         if "restore_break_even_idle_s" in d:

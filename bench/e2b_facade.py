@@ -16,10 +16,13 @@ import os
 import time
 from typing import Any
 
-from bench.lifecycle import Bench, ms_since, summary
+from bench import create as creation
+from bench.lifecycle import Bench, ms_since, summary, table_row
 from tests.e2e.harness import read_events, wait_operation
 
 PARTS = ("e2b",)
+#: Warm sandboxes of ``base``: both clients' creates take the warm path.
+POOL = 2
 FILE_BYTES = 1 << 20
 
 
@@ -39,17 +42,6 @@ def _space_delete(b: Bench, sid: str) -> float:
     return ms_since(t0)
 
 
-def _ready(b: Bench) -> int:
-    pools = b.get("/v1/pools")["pools"]
-    return sum(int(p.get("ready", 0)) for p in pools if p["template"] == "base")
-
-
-def _wait_pool(b: Bench, n: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _ready(b) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def bench_e2b(b: Bench, n: int) -> dict[str, Any]:
     import e2b
 
@@ -59,13 +51,14 @@ def bench_e2b(b: Bench, n: int) -> dict[str, Any]:
     out: dict[str, list[float]] = {k: [] for k in ("e2b_create", "space_create", "e2b_run", "space_exec",
                                                  "e2b_file", "space_file", "e2b_kill", "space_delete")}
     payload = os.urandom(FILE_BYTES)
+    creation.set_pool(b, POOL)
     for _ in range(n):
         # Creates alternate, each from a full pool, so both take the warm path.
-        _wait_pool(b, 2)
+        creation.wait_ready(b, POOL, settled=True)
         t0 = time.perf_counter()
         sbx = e2b.Sandbox.create()
         out["e2b_create"].append(ms_since(t0))
-        _wait_pool(b, 2)
+        creation.wait_ready(b, POOL, settled=True)
         ms, sid = _space_create(b)
         out["space_create"].append(ms)
         try:
@@ -92,6 +85,7 @@ def bench_e2b(b: Bench, n: int) -> dict[str, Any]:
             sbx.kill()
             out["e2b_kill"].append(ms_since(t0))
             out["space_delete"].append(_space_delete(b, sid))
+    creation.set_pool(b, 0)
     s = {k: summary(v) for k, v in out.items()}
     return {"n": n, **{f"{k}_ms": v for k, v in s.items()},
             "ratio_create_p50": s["e2b_create"]["p50"] / s["space_create"]["p50"],
@@ -108,11 +102,6 @@ def run_all(b: Bench, parts: tuple[str, ...], *, quick: bool, log: Any) -> dict[
     return out
 
 
-def _row(metric: str, s: dict[str, float], base: str = "", ratio: float | None = None) -> str:
-    r = "" if ratio is None else f"{ratio:.3g}"
-    return f"| {metric} | {s['p50']:.1f} | {s['p90']:.1f} | {s['p99']:.1f} | {int(s['n'])} | {base} | {r} |"
-
-
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows: list[str] = []
     notes: list[str] = []
@@ -126,7 +115,7 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
              "SPACE PUT+GET"),
             ("E2B SDK `kill()` (ms)", "e2b_kill", "space_delete", "ratio_kill_p50", "SPACE delete+wait"),
         ):
-            rows.append(_row(label, e[f"{mine}_ms"], f"{e[f'{theirs}_ms']['p50']:.1f} ({base})", e[ratio]))
+            rows.append(table_row(label, e[f"{mine}_ms"], f"{e[f'{theirs}_ms']['p50']:.1f} ({base})", e[ratio]))
         notes.append("E2B facade: both clients against the same server in the same run; ratio = E2B SDK p50 / "
                      "SPACE API p50")
     return rows, notes

@@ -571,7 +571,7 @@ def _mib(x: float) -> str:
     return f"{x / MIB:.1f}"
 
 
-def _row(metric: str, s: dict[str, float], base: str = "", ratio: float | str | None = None,
+def table_row(metric: str, s: dict[str, float], base: str = "", ratio: float | str | None = None,
          fmt: str = "{:.1f}") -> str:
     r = ratio if isinstance(ratio, str) else "" if ratio is None else f"{ratio:.3g}"
     return (f"| {metric} | {fmt.format(s['p50'])} | {fmt.format(s['p90'])} | {fmt.format(s['p99'])} | "
@@ -587,18 +587,18 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows: list[str] = []
     notes: list[str] = []
     if pr := res.get("pause_resume"):
-        rows.append(_row("pause, API → op done (ms)", pr["pause_ms"],
+        rows.append(table_row("pause, API → op done (ms)", pr["pause_ms"],
                          f"{pr['runsc_pause_ms']['p50']:.1f} (`runsc pause`)", pr["ratio_pause_p50"]))
-        rows.append(_row("resume, API → op done (ms)", pr["resume_ms"],
+        rows.append(table_row("resume, API → op done (ms)", pr["resume_ms"],
                          f"{pr['runsc_resume_ms']['p50']:.1f} (`runsc resume`)", pr["ratio_resume_p50"]))
     for d in (res.get("disk_snapshot") or {}).values():
         gib = d["root_bytes"]["exclusive"] / 2**30
         nv, al = d["cp_reflink_never"], d["cp_reflink_always"]
-        rows.append(_row(f"disk snapshot, root holding {gib:.2f} GiB (ms)", d["snapshot_ms"],
+        rows.append(table_row(f"disk snapshot, root holding {gib:.2f} GiB (ms)", d["snapshot_ms"],
                          f"{nv['cp_sync_ms']:.0f} (`cp -a --reflink=never`+sync); "
                          f"{al['cp_sync_ms']:.0f} (`--reflink=always`)",
                          f"{d['ratio_vs_copy_p50']:.2g}; {d['ratio_vs_reflink_p50']:.2g}"))
-        rows.append(_row(f"space a disk snapshot adds after a 1 MiB change, {gib:.2f} GiB root (MiB)",
+        rows.append(table_row(f"space a disk snapshot adds after a 1 MiB change, {gib:.2f} GiB root (MiB)",
                          _mib_summary(d["snapshot_exclusive_after_1mib_change"]),
                          f"{_mib(nv['exclusive_bytes'])} (the copy)",
                          d["snapshot_exclusive_after_1mib_change"]["p50"] / max(nv["exclusive_bytes"], 1),
@@ -609,14 +609,14 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
                      f"`--reflink=always` {al['cp_ms']:.0f} ms + sync = {al['cp_sync_ms']:.0f} ms")
     for mem, d in (res.get("full_checkpoint") or {}).items():
         rc, rr = d["runsc_checkpoint_ms"], d["runsc_restore_ms"]
-        rows.append(_row(f"full checkpoint, {mem} MB touched memory (ms)", d["snapshot_ms"],
+        rows.append(table_row(f"full checkpoint, {mem} MB touched memory (ms)", d["snapshot_ms"],
                          f"{rc['p50']:.0f} (`runsc checkpoint --leave-running`)", d["ratio_snapshot_p50"],
                          fmt="{:.0f}"))
-        rows.append(_row(f"rollback to it, {mem} MB (ms)", d["rollback_ms"],
+        rows.append(table_row(f"rollback to it, {mem} MB (ms)", d["rollback_ms"],
                          f"{rr['p50']:.0f} (`runsc restore`)" if rr else "failed (see json)",
                          d["ratio_rollback_p50"], fmt="{:.0f}"))
-        rows.append(_row(f"guest freeze during it, {mem} MB (ms)", d["freeze_ms"], fmt="{:.0f}"))
-        rows.append(_row(f"memory image, {mem} MB (MiB)", _mib_summary(d["image_bytes"])))
+        rows.append(table_row(f"guest freeze during it, {mem} MB (ms)", d["freeze_ms"], fmt="{:.0f}"))
+        rows.append(table_row(f"memory image, {mem} MB (MiB)", _mib_summary(d["image_bytes"])))
         bd = ", ".join(f"{k} {v:.0f}" for k, v in d["rollback_breakdown_ms_p50"].items())
         notes.append(f"rollback {mem} MB, node side p50 ms: {bd}; node-side checkpoint took p50 "
                      f"{d['node_took_ms']['p50']:.0f} ms")
@@ -624,25 +624,26 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
             notes.append(f"bare runsc restore failed {len(d['runsc_errors'])}x: {d['runsc_errors'][0][:200]}")
     for count, d in (res.get("fork") or {}).items():
         cc = d["cold_create_ms"]
-        rows.append(_row(f"fork x{count} → all running (ms)", d["fork_ms"],
+        rows.append(table_row(f"fork x{count} → all running (ms)", d["fork_ms"],
                          f"{cc['p50']:.0f} ({count} cold create{'s' if count != '1' else ''})", d["ratio_p50"],
                          fmt="{:.0f}"))
-        rows.append(_row(f"space each fork's root adds, x{count} (MiB)", _mib_summary(d["fork_root_exclusive_bytes"]),
+        rows.append(table_row(f"space each fork's root adds, x{count} (MiB)",
+                              _mib_summary(d["fork_root_exclusive_bytes"]),
                          f"{_mib(d['source_root']['total'])} (a full copy of the root)",
                          d["fork_root_exclusive_bytes"]["p50"] / d["source_root"]["total"], fmt="{:.3f}"))
         notes.append(f"fork x{count}: plus the memory image each fork request checkpoints, p50 "
                      f"{_mib(d['fork_image_bytes']['p50'])} MiB (shared by its forks)")
     if sr := res.get("suspend_restore"):
         nz = sr["naive_tar_zstd_ms"]
-        rows.append(_row(f"suspend, {sr['change_mb']} MiB changed (ms)", sr["suspend_ms"],
+        rows.append(table_row(f"suspend, {sr['change_mb']} MiB changed (ms)", sr["suspend_ms"],
                          f"{nz['p50']:.0f} (tar\\|zstd of the root)", sr["ratio_suspend_time_p50"], fmt="{:.0f}"))
-        rows.append(_row("restore from object storage (ms)", sr["restore_ms"],
+        rows.append(table_row("restore from object storage (ms)", sr["restore_ms"],
                          f"{sr['naive_untar_ms']['p50']:.0f} (zstd -d\\|tar -x, files only)",
                          sr["restore_ms"]["p50"] / sr["naive_untar_ms"]["p50"], fmt="{:.0f}"))
-        rows.append(_row("suspend → restore round trip (ms)", sr["round_trip_ms"],
+        rows.append(table_row("suspend → restore round trip (ms)", sr["round_trip_ms"],
                          f"{sr['naive_round_trip_ms']['p50']:.0f} (tar+untar)", sr["ratio_round_trip_p50"],
                          fmt="{:.0f}"))
-        rows.append(_row("bytes uploaded per suspend (MiB)", _mib_summary(sr["uploaded_bytes"]),
+        rows.append(table_row("bytes uploaded per suspend (MiB)", _mib_summary(sr["uploaded_bytes"]),
                          f"{_mib(sr['naive_tar_zstd_bytes'])} (tar.zst of the root)", sr["ratio_bytes_p50"],
                          fmt="{:.1f}"))
         f = sr["first_round_trip"]

@@ -64,6 +64,8 @@ class CreateSandboxBody(BaseModel):
     on_expire: Literal["delete", "pause", "suspend", "suspend_disk"] = "delete"
     #: Whether exec and file calls on a paused or suspended sandbox wake it (else they answer 409).
     auto_resume: bool = True
+    #: Whether its servers answer E2B-style port traffic without its access token (E2B's default).
+    public_ports: bool = False
     #: Start from this snapshot (files, and with a full one the processes) instead of the template.
     snapshot: str | None = Field(None, min_length=1, max_length=64)
 
@@ -102,7 +104,7 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
-        expire_action=body.on_expire, auto_resume=body.auto_resume,
+        expire_action=body.on_expire, auto_resume=body.auto_resume, public_ports=body.public_ports,
     )
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
@@ -165,7 +167,7 @@ async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandbo
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
-        expire_action=body.on_expire, auto_resume=body.auto_resume,
+        expire_action=body.on_expire, auto_resume=body.auto_resume, public_ports=body.public_ports,
     )
     op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="sandbox.fork", target=src.id, status="pending",
                    idempotency_key=idempotency_key,

@@ -36,6 +36,7 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "expires_at": _ts(sb.expires_at),
         "on_expire": sb.expire_action,
         "auto_resume": sb.auto_resume,
+        "public_ports": sb.public_ports,
         "last_active_at": _ts(sb.last_active_at),
         "snapshot_policy": sb.snapshot_policy or {},
         "parent_id": sb.parent_id,

@@ -217,10 +217,10 @@ def _deadline(seconds: int | None) -> dt.datetime:
     return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=DEFAULT_TIMEOUT if seconds is None else seconds)
 
 
-async def _live(st: AppState, who: Principal, sandbox_id: str) -> Sandbox:
+async def live_sandbox(st: AppState, who: Principal, sandbox_id: str) -> Sandbox:
     """The tenant's sandbox unless it is gone (terminated, deleting or failed): 404 as E2B says."""
     try:
-        sb = await st.store.get_sandbox(_short_id(sandbox_id), tenant=who.tenant)
+        sb = await st.store.get_sandbox(short_id(sandbox_id), tenant=who.tenant)
     except NotFound:
         raise E2BError(404, f"sandbox {sandbox_id} not found") from None
     if sb.state not in LIVE_STATES or (timed_out(sb) and sb.expire_action == "delete"):
@@ -228,12 +228,12 @@ async def _live(st: AppState, who: Principal, sandbox_id: str) -> Sandbox:
     return sb
 
 
-def _short_id(sandbox_id: str) -> str:
+def short_id(sandbox_id: str) -> str:
     """infra accepts ``<id>-<clientID>`` on paths."""
     return sandbox_id.removesuffix(f"-{CLIENT_ID}")
 
 
-async def _finish(st: AppState, op: Operation, what: str) -> Operation:
+async def finish_operation(st: AppState, op: Operation, what: str) -> Operation:
     op = await wait_operation(st, op.id, time.monotonic() + WAIT)
     if op.status == "failed":
         raise E2BError(500, f"{what} failed: {op.error_message or op.error_code}")
@@ -242,7 +242,7 @@ async def _finish(st: AppState, op: Operation, what: str) -> Operation:
     return op
 
 
-async def _wait_running(st: AppState, sandbox_id: str, what: str) -> Sandbox:
+async def wait_running(st: AppState, sandbox_id: str, what: str) -> Sandbox:
     deadline = time.monotonic() + WAIT
     while True:
         sb = await st.store.get_sandbox(sandbox_id)
@@ -259,12 +259,12 @@ async def _wake(st: AppState, sb: Sandbox) -> Sandbox:
     """Resume a paused sandbox or restore a suspended one, and wait for it to run."""
     if sb.state == State.PAUSED:
         _, op = await enqueue_action(st, sb.tenant, sb.id, Action.RESUME, "sandbox.resume", {})
-        await _finish(st, op, f"resuming sandbox {sb.id}")
+        await finish_operation(st, op, f"resuming sandbox {sb.id}")
     elif sb.state == State.SUSPENDED:
         _, op = await enqueue_action(st, sb.tenant, sb.id, Action.RESTORE, "sandbox.restore",
                                      {"snapshot": sb.snapshot_id, "node": None})
-        await _finish(st, op, f"restoring sandbox {sb.id}")
-    return await _wait_running(st, sb.id, f"resuming sandbox {sb.id}")
+        await finish_operation(st, op, f"restoring sandbox {sb.id}")
+    return await wait_running(st, sb.id, f"resuming sandbox {sb.id}")
 
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -289,14 +289,13 @@ async def _create(st: AppState, who: Principal, body: NewSandbox, idempotency_ke
         "lifetime_s": max(1, timeout), "on_expire": _on_expire(body),
         "auto_resume": bool(body.auto_resume and body.auto_resume.enabled),
         "egress": egress_of(body.allow_internet_access, body.network),
+        # E2B's default: a sandbox's ports are public unless it says otherwise.
+        "public_ports": body.network is None or body.network.allow_public_traffic is not False,
     })
     sb, op, status = await space_sandboxes.create(st, who, space_body, idempotency_key)
     if status != 201:
-        await _finish(st, op, f"creating sandbox {sb.id}")
-        sb = await _wait_running(st, sb.id, f"creating sandbox {sb.id}")
-    public = body.network is None or body.network.allow_public_traffic is not False
-    if public != sb.public_ports:  # E2B's default: a sandbox's ports are public
-        sb = await st.store.update_sandbox(sb.id, public_ports=public)
+        await finish_operation(st, op, f"creating sandbox {sb.id}")
+        sb = await wait_running(st, sb.id, f"creating sandbox {sb.id}")
     log.info("e2b.sandbox.created", sandbox=sb.id, template=sb.template)
     return json_body(sandbox_view(st, sb), 201)
 
@@ -316,15 +315,15 @@ async def create_v1(body: NewSandbox, who: Auth, st: St,
 async def _connect(st: AppState, who: Principal, sandbox_id: str, timeout: int | None,
                    memory: bool | None = None) -> Response:
     who.require_write()
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     if memory is False and sb.state in PAUSED_STATES and not await _files_only_snapshot(st, sb):
         # The SDK's contract: refused where unsupported, never silently restored with memory.
         raise E2BError(400, "resuming from the disk state only (on_resume='reboot') is not supported by this "
                             "server; connect without it to restore the sandbox with its memory")
     if sb.state == State.CREATING:
-        sb = await _wait_running(st, sb.id, f"creating sandbox {sb.id}")
+        sb = await wait_running(st, sb.id, f"creating sandbox {sb.id}")
     if sb.state == State.RUNNING and timed_out(sb):
-        # Its timeout ran out and its auto-pause is due (_live refused one due to be killed): pause
+        # Its timeout ran out and its auto-pause is due (live_sandbox refused one due to be killed): pause
         # it now, whoever gets there first, then resume it below like any paused sandbox.
         await _pause_now(st, sb)
         sb = await st.store.get_sandbox(sb.id)
@@ -369,7 +368,7 @@ async def connect_v1(sandbox_id: str, who: Auth, st: St, body: ConnectBody | Non
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def resume(sandbox_id: str, who: Auth, st: St, body: ResumeBody | None = None) -> Response:
     """1.x SDKs: resume a paused sandbox (409 when it runs)."""
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     if sb.state == State.RUNNING:
         raise E2BError(409, f"sandbox {sandbox_id} is already running")
     if body is not None and body.auto_pause is not None:
@@ -379,25 +378,25 @@ async def resume(sandbox_id: str, who: Auth, st: St, body: ResumeBody | None = N
 
 @router.delete("/sandboxes/{sandbox_id}")
 async def kill(sandbox_id: str, who: Auth, st: St) -> Response:
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     try:
         _, op = await space_sandboxes.delete(st, who, sb.id)
     except InvalidState:
         raise E2BError(404, f"sandbox {sandbox_id} not found ({sb.state})") from None
     # E2B's kill returns once the sandbox is gone: its processes are dead when the caller goes on.
-    await _finish(st, op, f"killing sandbox {sb.id}")
+    await finish_operation(st, op, f"killing sandbox {sb.id}")
     return Response(status_code=204)
 
 
 @router.get("/sandboxes/{sandbox_id}")
 async def get_info(sandbox_id: str, who: Auth, st: St) -> Response:
-    return json_body(detail_view(st, await _live(st, who, sandbox_id)))
+    return json_body(detail_view(st, await live_sandbox(st, who, sandbox_id)))
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout")
 async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Auth, st: St) -> Response:
     who.require_write()
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     # set_timeout may shorten (infra: allowShorter=true).
     await st.store.update_sandbox(sb.id, expires_at=_deadline(body.timeout))
     return Response(status_code=204)
@@ -412,9 +411,9 @@ class PauseBody(BaseModel):
 @router.post("/sandboxes/{sandbox_id}/pause")
 async def pause(sandbox_id: str, who: Auth, st: St, body: PauseBody | None = None) -> Response:
     who.require_write()
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     if sb.state == State.CREATING:
-        sb = await _wait_running(st, sb.id, f"creating sandbox {sb.id}")
+        sb = await wait_running(st, sb.id, f"creating sandbox {sb.id}")
     if sb.state != State.RUNNING:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     try:
@@ -425,7 +424,7 @@ async def pause(sandbox_id: str, who: Auth, st: St, body: PauseBody | None = Non
             _, op = await enqueue_action(st, who.tenant, sb.id, Action.PAUSE, "sandbox.pause", {})
     except InvalidState as exc:
         raise E2BError(409, exc.message) from None
-    await _finish(st, op, f"pausing sandbox {sb.id}")
+    await finish_operation(st, op, f"pausing sandbox {sb.id}")
     return Response(status_code=204)
 
 
@@ -439,7 +438,7 @@ async def _pause_now(st: AppState, sb: Sandbox) -> None:
         if not pending:
             return  # it is not running any more: the caller looks again
         op = pending[0]
-    await _finish(st, op, f"pausing sandbox {sb.id}")
+    await finish_operation(st, op, f"pausing sandbox {sb.id}")
 
 
 def _metadata_filter(raw: str | None) -> dict[str, str]:
@@ -448,11 +447,13 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return dict(urllib.parse.parse_qsl(raw, keep_blank_values=True))
 
 
-def _encode_token(sb: Sandbox) -> str:
-    return base64.urlsafe_b64encode(f"{sb.created_at.timestamp():.6f}|{sb.id}".encode()).decode().rstrip("=")
+def page_token(created_at: dt.datetime, row_id: str) -> str:
+    """``X-Next-Token`` of a listing ordered by (creation time, id): the last row given."""
+    return base64.urlsafe_b64encode(f"{created_at.timestamp():.6f}|{row_id}".encode()).decode().rstrip("=")
 
 
-def _decode_token(token: str) -> tuple[float, str]:
+def page_cursor(token: str) -> tuple[float, str]:
+    """The (creation time, id) a ``nextToken`` continues after."""
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
         at, _, sid = raw.partition("|")
@@ -499,13 +500,13 @@ async def list_v2(
         rows = [sb for sb in rows if sb.created_at >= after]
     rows.sort(key=lambda sb: (sb.created_at.timestamp(), sb.id), reverse=order == "desc")
     if next_token:
-        cursor = _decode_token(next_token)
+        cursor = page_cursor(next_token)
         if order == "desc":
             rows = [sb for sb in rows if (sb.created_at.timestamp(), sb.id) < cursor]
         else:
             rows = [sb for sb in rows if (sb.created_at.timestamp(), sb.id) > cursor]
     page = rows[:limit]
-    headers = {"x-next-token": _encode_token(page[-1])} if len(rows) > limit else None
+    headers = {"x-next-token": page_token(page[-1].created_at, page[-1].id)} if len(rows) > limit else None
     return Response(json.dumps([listed_view(sb) for sb in page]), media_type="application/json",
                     headers=headers)
 
@@ -523,7 +524,7 @@ async def list_v1(who: Auth, st: St, metadata: str | None = None) -> Response:
 async def metrics(sandbox_id: str, who: Auth, st: St, start: int | None = None, end: int | None = None) -> Response:
     """One sample taken now (SPACE keeps no history), when now is in the asked range (unix seconds;
     a few seconds of slack, as E2B's samples are aligned to buckets): a paused sandbox has none."""
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     now = time.time()
     if sb.state != State.RUNNING or sb.node_id is None:
         return json_body([])
@@ -550,7 +551,7 @@ async def metrics(sandbox_id: str, who: Auth, st: St, start: int | None = None, 
 @router.post("/sandboxes/{sandbox_id}/fork")
 async def fork(sandbox_id: str, who: Auth, st: St, body: ForkRequest | None = None) -> Response:
     body = body or ForkRequest.model_validate({})
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     try:
         rows, _, op = await fork_sandbox(st, who, sb.id, ForkBody.model_validate({"count": body.count}), None)
     except InvalidState as exc:
@@ -571,7 +572,7 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkRequest | None = No
 @router.put("/sandboxes/{sandbox_id}/network")
 async def update_network(sandbox_id: str, body: Network, who: Auth, st: St) -> Response:
     who.require_write()
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     sb = await st.store.update_sandbox(sb.id, egress=egress_of(None, body) or {})
     await egress_push(st, sb, with_secrets=False)
     return Response(status_code=204)

@@ -9,8 +9,6 @@ snapshots that are ready, newest first.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from typing import Annotated, Any
 
@@ -20,7 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from space.api import snapshots as space_snapshots
-from space.e2b.control import Auth, E2BError, St, _finish, _live, _short_id, _wait_running
+from space.e2b.control import (
+    Auth,
+    E2BError,
+    St,
+    finish_operation,
+    live_sandbox,
+    page_cursor,
+    page_token,
+    short_id,
+    wait_running,
+)
 from space.e2b.edge import json_body
 from space.errors import InvalidState, NotFound
 from space.lifecycle import State
@@ -48,30 +56,17 @@ async def create_snapshot(sandbox_id: str, who: Auth, st: St, body: SnapshotRequ
     """Answers once the snapshot is uploaded: a sandbox can be created from it right away."""
     who.require_write()
     body = body or SnapshotRequest.model_validate({})
-    sb = await _live(st, who, sandbox_id)
+    sb = await live_sandbox(st, who, sandbox_id)
     if sb.state == State.CREATING:
-        sb = await _wait_running(st, sb.id, f"creating sandbox {sb.id}")
+        sb = await wait_running(st, sb.id, f"creating sandbox {sb.id}")
     kind = "disk" if body.memory is False else "full"
     try:
         _, snap, op = await space_snapshots.start_snapshot(st, who, sb.id, kind, retain=True, name=body.name)
     except InvalidState as exc:
         raise E2BError(409, f"cannot snapshot sandbox {sandbox_id}: {exc.message}") from None
-    await _finish(st, op, f"snapshotting sandbox {sb.id}")
+    await finish_operation(st, op, f"snapshotting sandbox {sb.id}")
     log.info("e2b.snapshot.created", sandbox=sb.id, snapshot=snap.id, kind=kind)
     return json_body(info_view(snap), 201)
-
-
-def _token(snap: Snapshot) -> str:
-    return base64.urlsafe_b64encode(f"{snap.created_at.timestamp():.6f}|{snap.id}".encode()).decode().rstrip("=")
-
-
-def _cursor(token: str) -> tuple[float, str]:
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        at, _, sid = raw.partition("|")
-        return float(at), sid
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raise E2BError(400, "invalid nextToken") from None
 
 
 @router.get("/snapshots")
@@ -85,15 +80,15 @@ async def list_snapshots(
     if sandbox_id and name:
         raise E2BError(400, "filter by sandboxID or by name, not both")
     rows = await st.store.list_snapshots(tenant=who.tenant, retain=True, statuses=["ready"],
-                                         sandbox_id=_short_id(sandbox_id) if sandbox_id else None)
+                                         sandbox_id=short_id(sandbox_id) if sandbox_id else None)
     if name:  # the SDK: "by name or ID"
         rows = [s for s in rows if name in (s.name, s.id)]
     rows.sort(key=lambda s: (s.created_at.timestamp(), s.id), reverse=True)
     if next_token:
-        cursor = _cursor(next_token)
+        cursor = page_cursor(next_token)
         rows = [s for s in rows if (s.created_at.timestamp(), s.id) < cursor]
     page = rows[:limit]
-    headers = {"x-next-token": _token(page[-1])} if len(rows) > limit else None
+    headers = {"x-next-token": page_token(page[-1].created_at, page[-1].id)} if len(rows) > limit else None
     return Response(json.dumps([info_view(s) for s in page]), media_type="application/json", headers=headers)
 
 
@@ -107,5 +102,5 @@ async def delete_snapshot(snapshot_id: str, who: Auth, st: St) -> Response:
     except NotFound:
         raise E2BError(404, f"snapshot {snapshot_id} not found") from None
     op = await space_snapshots.start_delete(st, who, snap, None)
-    await _finish(st, op, f"deleting snapshot {snap.id}")
+    await finish_operation(st, op, f"deleting snapshot {snap.id}")
     return Response(status_code=204)

@@ -58,34 +58,27 @@ def self_user() -> User:
 
 
 _owners: dict[int, str] = {}
-
-
-def owner_name(uid: int) -> str:
-    name = _owners.get(uid)
-    if name is None:
-        try:
-            import pwd
-
-            name = pwd.getpwuid(uid).pw_name
-        except (KeyError, ImportError):
-            name = str(uid)
-        _owners[uid] = name
-    return name
-
-
 _groups: dict[int, str] = {}
 
 
+def owner_name(uid: int) -> str:
+    return _name(_owners, uid, "pwd", "getpwuid", "pw_name")
+
+
 def group_name(gid: int) -> str:
-    name = _groups.get(gid)
+    return _name(_groups, gid, "grp", "getgrgid", "gr_name")
+
+
+def _name(cache: dict[int, str], ident: int, module: str, lookup: str, field: str) -> str:
+    """The name of a uid or gid (its number when the database has none), remembered."""
+    name = cache.get(ident)
     if name is None:
         try:
-            import grp
-
-            name = grp.getgrgid(gid).gr_name
+            db = __import__(module)
+            name = str(getattr(getattr(db, lookup)(ident), field))
         except (KeyError, ImportError):
-            name = str(gid)
-        _groups[gid] = name
+            name = str(ident)
+        cache[ident] = name
     return name
 
 

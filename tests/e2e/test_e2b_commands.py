@@ -5,24 +5,16 @@ Mirrors E2B's own ``packages/python-sdk/tests/{sync,async}/sandbox_*/commands`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from tests.e2e import e2b_env
-from tests.e2e.harness import Server, runtime_available
+from tests.e2e.harness import runtime_available
 from tests.waiting import await_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.skipif(runtime_available() is not None,
                                                       reason=str(runtime_available()))]
 
 e2b = pytest.importorskip("e2b")
-
-
-@pytest.fixture
-def made(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[e2b_env.Sandboxes]:
-    e2b_env.point_sdk_at(monkeypatch, server)
-    yield from e2b_env.sandboxes()
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ URL (what SDKs ≥ 2.7 and e2b-code-interpreter use) and ``<port>-<id>.<domain>`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
@@ -34,12 +32,6 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 """
-
-
-@pytest.fixture
-def made(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[e2b_env.Sandboxes]:
-    e2b_env.point_sdk_at(monkeypatch, server)
-    yield from e2b_env.sandboxes()
 
 
 def _serve(sbx: e2b.Sandbox, server: Server) -> None:

@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.e2e import e2b_env
-from tests.e2e.harness import Server, runtime_available
+from tests.e2e.harness import runtime_available
 from tests.waiting import await_for, wait_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.skipif(runtime_available() is not None,
                                                       reason=str(runtime_available()))]
 
 e2b = pytest.importorskip("e2b")
-
-
-@pytest.fixture
-def made(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[e2b_env.Sandboxes]:
-    e2b_env.point_sdk_at(monkeypatch, server)
-    yield from e2b_env.sandboxes()
 
 
 def _create(made: e2b_env.Sandboxes, **kw: object) -> e2b.Sandbox:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e import e2b_env
-from tests.e2e.harness import Server, runtime_available
+from tests.e2e.harness import runtime_available
 
 if TYPE_CHECKING:
     from e2b import Sandbox, SnapshotInfo
@@ -42,12 +42,6 @@ class Snapshots:
             # Already gone is fine; anything else shows in the server log.
             with contextlib.suppress(Exception):
                 e2b.Sandbox.delete_snapshot(sid)
-
-
-@pytest.fixture
-def made(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[e2b_env.Sandboxes]:
-    e2b_env.point_sdk_at(monkeypatch, server)
-    yield from e2b_env.sandboxes()
 
 
 @pytest.fixture
