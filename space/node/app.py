@@ -274,6 +274,8 @@ def create_node_app(
     async def claim(body: ClaimRequest, after: BackgroundTasks) -> dict[str, Any]:
         sb = _warm().claim(PoolKey(body.template, body.cpu, body.memory_mb), body.env)
         await _egress(sb.id, body.egress)
+        if sb.env:  # before the answer: the owner's first call may need it (a claim without env pays nothing)
+            await manager.publish_env(sb)
         # The claimed one was the pool's thawed head: it only needs its full CPU weight. The next
         # head is thawed once the answer is on its way (a waking sentry burns ~20 ms of CPU).
         after.add_task(manager.activate, sb.id)

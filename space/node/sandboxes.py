@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ TRASH = "trash"
 #: CPU weight of a warm-pool sandbox until it is claimed (1/16 of a claimed one): its boot and its
 #: idle runtime yield to every sandbox in use, and to the node agent and API on the hot path.
 WARM_CPU_SHARES = 64
+#: Where a sandbox finds its own environment (JSON object), written by :meth:`SandboxManager.publish_env`.
+SANDBOX_ENV_FILE = "/run/space/env.json"
 DEFAULT_CPU_SHARES = 1024
 
 
@@ -268,6 +271,8 @@ class SandboxManager:
             if not await self.pool.is_subvolume(rootfs):
                 await self.pool.snapshot(info.path, rootfs)
             await self._boot(sb, t0=t0)
+            if sb.env:
+                await self.publish_env(sb)
             if warm:
                 try:  # a warm sandbox's first command should not pay for the first exec
                     await startup.prime(self._guests[sandbox_id], sb.user)
@@ -275,6 +280,19 @@ class SandboxManager:
                     log.warning("sandbox.prime_failed", sandbox=sandbox_id, error=str(exc))
             log.info("sandbox.created", sandbox=sandbox_id, **sb.timings)
             return sb
+
+    async def publish_env(self, sb: LocalSandbox) -> None:
+        """Write the sandbox's own environment to :data:`SANDBOX_ENV_FILE` in it, for services its
+        template started before the sandbox had one (a warm sandbox gets it when it is claimed):
+        every command gets it anyway, but e.g. ``code-interpreter-v1``'s kernels were already
+        running. Only when there is one, so a create without env costs nothing more."""
+        payload = json.dumps(sb.env, sort_keys=True).encode()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield payload
+
+        conn = await self.guest(sb.id)
+        await conn.upload("fs.write", body(), path=SANDBOX_ENV_FILE, mode=0o644)
 
     async def template_spec(self, sb: LocalSandbox) -> dict[str, Any]:
         """The spec of the template ``sb`` was made from ({} when this node no longer has it)."""

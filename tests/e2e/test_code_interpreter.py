@@ -161,8 +161,10 @@ def ci_sdk(server: Server, built: str, monkeypatch: pytest.MonkeyPatch) -> Itera
 
 def test_sdk_run_code(ci_sdk: Any) -> None:
     ci, made = ci_sdk
-    sbx = ci.Sandbox.create()  # the SDK's default template: code-interpreter-v1
+    sbx = ci.Sandbox.create(envs={"FROM_CREATE": "here"})  # the SDK's default template: code-interpreter-v1
     made.add(sbx.sandbox_id)
+    # The sandbox's own variables reach the kernel that started before it had them.
+    assert sbx.run_code("import os; os.environ.get('FROM_CREATE')").text == "here"
     out: list[str] = []
     execution = sbx.run_code("import os\nprint('hello'); x = 40\nx + 2", on_stdout=lambda m: out.append(m.line))
     assert execution.error is None

@@ -5,11 +5,14 @@ Mirrors E2B's own ``packages/python-sdk/tests/{sync,async}/sandbox_*/commands`` 
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from tests.e2e import e2b_env
 from tests.e2e.harness import runtime_available
-from tests.waiting import await_for
+from tests.waiting import await_for, wait_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.skipif(runtime_available() is not None,
                                                       reason=str(runtime_available()))]
@@ -58,11 +61,26 @@ def test_envs_cwd_and_user(sbx: e2b.Sandbox) -> None:
     assert sbx.commands.run("whoami", user="root").stdout.strip() == "root"
 
 
-def test_sandbox_env_vars_reach_every_command(made: e2b_env.Sandboxes) -> None:
-    s = e2b.Sandbox.create(envs={"FOO": "sandbox-wide"})
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_sandbox_env_vars_reach_every_command(made: e2b_env.Sandboxes, api: httpx.Client, warm: bool) -> None:
+    if warm:  # a sandbox booted before its env was known, claimed with it
+        assert api.put("/v1/pools/base", json={"size": 1, "memory_mb": 512}).status_code == 200
+
+        def ready() -> bool:
+            pools = api.get("/v1/pools").json()["pools"]
+            return any(p["template"] == "base" and p["memory_mb"] == 512 and p["ready"] >= 1 for p in pools)
+
+        wait_for(ready, timeout=120, what="a warm sandbox")
+    try:
+        s = e2b.Sandbox.create(envs={"FOO": "sandbox-wide"})
+    finally:
+        if warm:
+            api.put("/v1/pools/base", json={"size": 0, "memory_mb": 512})
     made.add(s.sandbox_id)
     assert s.commands.run("echo $FOO").stdout.strip() == "sandbox-wide"
     assert s.commands.run("echo $FOO", envs={"FOO": "mine"}).stdout.strip() == "mine"
+    # Also where services the template started before the sandbox had an env can read it.
+    assert json.loads(s.files.read("/run/space/env.json")) == {"FOO": "sandbox-wide"}
 
 
 def test_timeout_is_enforced_by_the_server(sbx: e2b.Sandbox) -> None:

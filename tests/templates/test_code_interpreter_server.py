@@ -61,7 +61,8 @@ def url(workdir: Path) -> Iterator[str]:
     tmp.mkdir()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 -- closed below
     proc = subprocess.Popen([sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port),
-                             "--cwd", str(workdir)], stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=workdir,
+                             "--cwd", str(workdir), "--sandbox-env-file", str(workdir / "sandbox-env.json")],
+                            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=workdir,
                             env={**os.environ, "TMPDIR": str(tmp)})
     base = f"http://127.0.0.1:{port}"
 
@@ -322,3 +323,28 @@ def test_the_e2b_sdk_drives_it(url: str, workdir: Path) -> None:
     sbx.remove_code_context(ctx)
     with pytest.raises(NotFoundException):
         sbx.run_code("1", context=ctx)
+
+
+def _value(api: httpx.Client, expr: str, **body: Any) -> Any:
+    results = [line for line in execute(api, expr, **body) if line["type"] == "result"]
+    return results[0]["text"] if results else None
+
+
+def test_the_sandbox_env_reaches_running_and_new_kernels(api: httpx.Client, workdir: Path) -> None:
+    """The node writes the sandbox's env once it has one (a claimed warm sandbox: after the kernels
+    started); every context picks it up at its next execution, under the execution's own env_vars."""
+    env_file = workdir / "sandbox-env.json"
+    read = "__import__('os').environ.get('FROM_SANDBOX')"
+    assert _value(api, read) is None
+    env_file.write_text(json.dumps({"FROM_SANDBOX": "yes"}))
+    try:
+        assert _value(api, read) == "yes"
+        assert _value(api, read, env_vars={"FROM_SANDBOX": "this run"}) == "this run"
+        assert _value(api, read) == "yes"  # put back to the sandbox's, not removed
+        ctx = api.post("/contexts", json={}).json()["id"]
+        try:
+            assert _value(api, read, context_id=ctx) == "yes"
+        finally:
+            api.delete(f"/contexts/{ctx}")
+    finally:
+        env_file.unlink()

@@ -119,6 +119,27 @@ def _timestamp(header: dict[str, Any]) -> str:
     return str(date) if date else datetime.datetime.now(datetime.UTC).isoformat()
 
 
+#: The sandbox's own environment, as SPACE's node writes it once the sandbox has one (at its
+#: create, or when it is claimed from the warm pool: after this server and its first kernel
+#: started). E2B's server asks envd for the same (``GET /envs``).
+sandbox_env_file = "/run/space/env.json"
+
+
+def read_sandbox_env() -> tuple[str, dict[str, str]] | None:
+    """The sandbox's environment file (its text, to tell a new one) and its variables; None when
+    there is none or it is not a JSON object of strings."""
+    try:
+        with open(sandbox_env_file, encoding="utf-8") as f:
+            text = f.read()
+        env = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        log.warning("ignoring %s: not a JSON object of strings", sandbox_env_file)
+        return None
+    return text, env
+
+
 def _env_code(env: dict[str, str]) -> tuple[str, str]:
     """Code that sets ``env`` in the kernel remembering what was there, and code that puts it back.
 
@@ -200,6 +221,8 @@ class Context:
         self.ready = asyncio.Event()
         self.removed = False
         self._restarting = asyncio.Lock()
+        #: (generation, file text) of the sandbox environment this context's kernel has.
+        self.sandbox_env: tuple[int, str] | None = None
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -261,6 +284,15 @@ class Context:
             if self.removed:  # while this waited; nothing was sent yet
                 raise RequestError(404, f"Context {self.id} not found")
             generation = self.generation
+            found = read_sandbox_env()
+            if found is not None and self.sandbox_env != (generation, found[0]):
+                # The sandbox's own variables, for good (a kernel started before it had them);
+                # the execution's own go on top and are put back after it.
+                failed = await self._silent(f"__import__('os').environ.update({found[1]!r})", gone)
+                if failed is not None:
+                    await emit(failed)
+                    return
+                self.sandbox_env = (generation, found[0])
             if env:
                 apply, restore = _env_code(env)
                 failed = await self._silent(apply, gone)
@@ -567,11 +599,15 @@ async def serve(host: str, port: int, default_cwd: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global sandbox_env_file
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=PORT)
     p.add_argument("--cwd", default=DEFAULT_CWD, help="working directory of the default context")
+    p.add_argument("--sandbox-env-file", default=sandbox_env_file,
+                   help="where the sandbox's own environment is (JSON), once it has one")
     args = p.parse_args(argv)
+    sandbox_env_file = args.sandbox_env_file
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(serve(args.host, args.port, args.cwd))
 
