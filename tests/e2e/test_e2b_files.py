@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import urllib.error
 import urllib.request
 import uuid
@@ -164,6 +165,12 @@ def test_gzip_both_ways(sbx: Sandbox, server: Server) -> None:
         assert len(raw) < len(content) // 10 and gzip.decompress(raw).decode() == content
         r = c.get("/files", params={"path": name}, headers={"accept-encoding": "identity"})
         assert "content-encoding" not in r.headers and r.content.decode() == content
+        # Data gzip cannot shrink goes plain even when gzip is accepted (httpx accepts it by default).
+        noise = os.urandom(300_000)
+        sbx.files.write(f"{name}.bin", noise)
+        r = c.get("/files", params={"path": f"{name}.bin"}, headers={"accept-encoding": "gzip"})
+        assert "content-encoding" not in r.headers and r.content == noise
+    assert sbx.files.read(f"{name}.bin", format="bytes", gzip=True) == noise
 
 
 def test_upload_errors(sbx: Sandbox, server: Server) -> None:
