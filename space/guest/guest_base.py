@@ -139,6 +139,14 @@ def close_fd(fd: int) -> None:
         pass
 
 
+def poke(fd: int) -> None:
+    """Wake a thread that polls the read end of a self-pipe whose write end is ``fd``."""
+    try:  # noqa: SIM105 -- contextlib costs boot time
+        os.write(fd, b"x")
+    except OSError:
+        pass  # already awake (pipe full)
+
+
 def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:

@@ -9,10 +9,10 @@ import time
 
 if __package__:
     from . import protocol
-    from .guest_base import close_fd
+    from .guest_base import close_fd, poke
 else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
     import protocol  # type: ignore[no-redef, import-not-found]
-    from guest_base import close_fd  # type: ignore[no-redef, import-not-found]
+    from guest_base import close_fd, poke  # type: ignore[no-redef, import-not-found]
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
 if TYPE_CHECKING:
@@ -66,10 +66,7 @@ class Pump(threading.Thread):
         self.wake()
 
     def wake(self) -> None:
-        try:  # noqa: SIM105 -- contextlib costs boot time
-            os.write(self.wake_w, b"x")
-        except OSError:
-            pass  # already awake (pipe full)
+        poke(self.wake_w)
 
     def run(self) -> None:
         while True:

@@ -34,11 +34,11 @@ from collections import deque
 
 if __package__:
     from . import protocol
-    from .guest_base import GuestError, arg, close_fd, log, norm_path, os_error
+    from .guest_base import GuestError, arg, close_fd, log, norm_path, os_error, poke
     from .guest_files import file_entry
 else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
     import protocol  # type: ignore[no-redef, import-not-found]
-    from guest_base import GuestError, arg, close_fd, log, norm_path, os_error  # type: ignore[no-redef, import-not-found]
+    from guest_base import GuestError, arg, close_fd, log, norm_path, os_error, poke  # type: ignore[no-redef, import-not-found]
     from guest_files import file_entry  # type: ignore[no-redef, import-not-found]
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
@@ -229,10 +229,7 @@ class Hub(threading.Thread):
         return w
 
     def wake(self) -> None:
-        try:  # noqa: SIM105 -- contextlib costs boot time
-            os.write(self.wake_w, b"x")
-        except OSError:
-            pass  # already awake (pipe full)
+        poke(self.wake_w)
 
     # -- the reader thread --------------------------------------------------------------------
 

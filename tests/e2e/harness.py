@@ -399,3 +399,20 @@ def node_agent_pid_or_none(server: Server) -> int | None:
         return node_agent_pid(server)
     except AssertionError:
         return None
+
+
+#: A process whose state lives only in its memory (a shell variable): it counts, writing the count
+#: to a file each tick (a pause, restore or fork either keeps it counting on or starts it over).
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"
+
+
+def sh(api: httpx.Client, sid: str, script: str) -> str:
+    """Run ``script`` in the sandbox; its stdout (it must succeed)."""
+    code, out, err = run(api, sid, {"shell": script})
+    assert code == 0, (code, out, err)
+    return out.decode()
+
+
+def count(api: httpx.Client, sid: str) -> int:
+    """What :data:`COUNTER` counted so far (0 before it started)."""
+    return int(sh(api, sid, "cat /tmp/count 2>/dev/null || echo 0").strip() or 0)

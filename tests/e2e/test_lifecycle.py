@@ -13,23 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Server, create_sandbox, read_events, run, wait_for, wait_operation
+from tests.e2e.harness import COUNTER, Server, count, create_sandbox, read_events, sh, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
-
-#: Counts in memory (a shell variable), writes the count to a file each tick: a process whose
-#: state lives only in its memory.
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"
-
-
-def sh(api: httpx.Client, sid: str, script: str) -> str:
-    code, out, err = run(api, sid, {"shell": script})
-    assert code == 0, (code, out, err)
-    return out.decode()
-
-
-def count(api: httpx.Client, sid: str) -> int:
-    return int(sh(api, sid, "cat /tmp/count 2>/dev/null || echo 0").strip() or 0)
 
 
 def act(api: httpx.Client, sid: str, action: str, body: dict[str, Any] | None = None,
