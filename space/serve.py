@@ -12,12 +12,9 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -36,6 +33,7 @@ from space.node.main import channel_dir_for
 from space.node.templates import BASE_SPEC
 from space.objstore import ObjectStore
 from space.store import Store
+from space.web import GracefulServer
 
 log = structlog.get_logger("space.serve")
 
@@ -236,7 +234,7 @@ async def serve(settings: ServeSettings) -> None:
         await controller.push_warm_pools()
 
         host, _, port = settings.listen.rpartition(":")
-        server = _Server(uvicorn.Config(
+        server = GracefulServer(uvicorn.Config(
             create_app(state), host=host or "127.0.0.1", port=int(port), log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5,
         ))
@@ -258,23 +256,6 @@ async def serve(settings: ServeSettings) -> None:
             await store.close()
         await node.stop()
         log.info("serve.stopped")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, minus re-raising SIGTERM/SIGINT once it has shut down: that killed the process
-    before ``serve``'s cleanup ran (the last audit records, the database, the node agent)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def run(settings: ServeSettings) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -15,6 +20,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from space.errors import Internal, SpaceError, ValidationFailed, from_wire
 
 log = structlog.get_logger("space.web")
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, minus re-raising SIGTERM/SIGINT once it has shut down: that killed the process
+    before its owner's cleanup ran (for ``space serve`` the last audit records, the database and
+    the node agent; for the node agent the deferred sandbox removals and its helper)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def error_response(exc: SpaceError) -> JSONResponse:

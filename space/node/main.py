@@ -34,6 +34,7 @@ from space.node.warm import WarmPool
 from space.objstore import ObjectStore
 from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
 from space.runtime.gvisor import GVisorDriver
+from space.web import GracefulServer
 
 #: The node agent's own system user (scripts/setup-system.sh creates it, in group ``space``).
 NODE_USER = "space-node"
@@ -288,7 +289,7 @@ async def serve_node(settings: NodeSettings) -> None:
         host, _, port = settings.listen.rpartition(":")
         config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
     monitor = asyncio.create_task(manager.monitor())
     gateway_watch = asyncio.create_task(manager.watch_gateway())

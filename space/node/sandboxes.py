@@ -220,6 +220,8 @@ class SandboxManager:
             if inst not in known:
                 log.warning("instance.orphan_removed", instance=inst)
                 await self.driver.stop(inst, self.channel_dir)
+        # Sentries of launches cut short, which runsc has no record of: they hold the pool busy.
+        await self.driver.sweep(known)
         trash = self.pool.root / TRASH
         for leftover in sorted(trash.iterdir()) if trash.exists() else []:
             # Deleted sandboxes whose removal a stop cut short.

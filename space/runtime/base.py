@@ -83,4 +83,8 @@ class RuntimeDriver(Protocol):
     async def list_instances(self) -> dict[str, str]:
         """Every instance this driver knows on the node: id -> state."""
 
+    async def sweep(self, keep: set[str]) -> list[str]:
+        """Kill what is left running of instances the runtime keeps no record of (a start cut
+        short), except ``keep``; the instances it found."""
+
     async def version(self) -> str: ...

@@ -195,6 +195,9 @@ class GVisorDriver:
         instances = (await self.priv.call("runtime.list"))["instances"]
         return {str(k): str(v) for k, v in instances.items()}
 
+    async def sweep(self, keep: set[str]) -> list[str]:
+        return [str(i) for i in (await self.priv.call("runtime.sweep", {"keep": sorted(keep)}))["killed"]]
+
 
 #: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
 _FREEZER = Path("/sys/fs/cgroup/freezer/space")

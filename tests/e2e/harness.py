@@ -128,8 +128,16 @@ class Server:
     def teardown(self) -> None:
         """Stop the server and release every sandbox, mount and loop device it made."""
         self.stop()
-        subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir)], check=True,
-                       capture_output=True, timeout=300)
+        node_teardown(self.data_dir, log_tail=self.log_tail())
+
+
+def node_teardown(data_dir: Path, *extra: str, log_tail: str = "") -> None:
+    """``space node teardown``; a failure names its cause (its stderr) and shows the log's end."""
+    done = subprocess.run([SPACE, "node", "teardown", "--data-dir", str(data_dir), *extra],
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, (
+        f"space node teardown failed ({done.returncode}):\n{done.stderr.decode(errors='replace')[-4000:]}\n"
+        f"the log's end:\n{log_tail}")
 
 
 @dataclasses.dataclass
@@ -218,8 +226,7 @@ class NodeAgent:
         """Stop the agent and release every sandbox, mount, loop device and socket it made."""
         self.stop()
         if (self.data_dir / "pool.img").exists():
-            subprocess.run([SPACE, "node", "teardown", "--data-dir", str(self.data_dir),
-                            "--cache-dir", str(self.cache_dir)], check=True, capture_output=True, timeout=300)
+            node_teardown(self.data_dir, "--cache-dir", str(self.cache_dir), log_tail=self.log_tail())
 
 
 def node_scratch(prefix: str) -> Path:

@@ -1,5 +1,5 @@
 """Crash convergence: SIGKILL ``space serve`` in the middle of creates; after a restart every sandbox
-ends running or cleanly failed, and no runsc container, mount or loop device is left behind."""
+ends running or cleanly failed, and no runsc container, sentry, mount or loop device is left behind."""
 
 from __future__ import annotations
 
@@ -147,6 +147,47 @@ def _node_sandboxes(server: Server) -> list[dict[str, object]]:
     return list(r.json()["sandboxes"]) if r.status_code == 200 else []
 
 
+def _sentries(server: Server) -> dict[int, str]:
+    """pid -> instance of the node's runsc sentries and gofers, as the helper finds them in /proc."""
+    from space.node.helper.verbs import HelperContext
+    from space.node.helper.verbs_runtime import Runsc, runsc_processes
+
+    return runsc_processes(Runsc(HelperContext(data_dir=server.data_dir, cache_dir=server.data_dir / "cache")))
+
+
+def _forget_instance(server: Server, sid: str) -> str:
+    """Make runsc lose track of the sandbox's running instance, as a launch cut short between
+    starting the sentry and writing its state file leaves it; the instance id."""
+    state = json.loads((server.data_dir / "pool" / "sandboxes" / sid / "state.json").read_text())
+    instance = str(state["instance_id"])
+    assert instance in _sentries(server).values()
+    (server.data_dir / "runsc" / f"{instance}_sandbox:{instance}.state").unlink()
+    return instance
+
+
+@pytest.mark.parametrize("then", ["restart", "teardown"])
+def test_a_sentry_runsc_lost_track_of_is_killed(fresh_server: Server, then: str) -> None:
+    """Such a sentry holds the sandbox's log open in the pool: left running, the pool cannot be
+    unmounted (``space node teardown`` failed with "target is busy"). A restart's recovery and a
+    teardown both find it in /proc by the node's runsc root and kill it."""
+    srv = fresh_server
+    srv.start()
+    with srv.client() as api:
+        sid = create_sandbox(api)
+        instance = _forget_instance(srv, sid)
+    srv.stop()
+    assert instance in _sentries(srv).values(), "the stop itself must leave sandboxes running"
+    if then == "restart":
+        srv.start()
+        wait_for(lambda: instance not in _sentries(srv).values(), 60, "the stray sentry to be killed")
+        with srv.client() as api:
+            assert api.get(f"/v1/sandboxes/{sid}").json()["state"] != "running"
+            api.delete(f"/v1/sandboxes/{sid}")
+    else:
+        srv.teardown()  # fresh_server's own teardown checks that the loop device went with the pool
+        assert instance not in _sentries(srv).values()
+
+
 def test_sigterm_shuts_down_cleanly_and_keeps_the_last_audit_records(fresh_server: Server) -> None:
     """A stop (SIGTERM) runs the server's shutdown: the audit records of the last calls are written
     (they are batched), the database is closed, and the process exits 0 instead of dying by signal."""
@@ -159,7 +200,12 @@ def test_sigterm_shuts_down_cleanly_and_keeps_the_last_audit_records(fresh_serve
         key_id = r.json()["id"]
     fresh_server.stop()
     assert fresh_server.proc is not None and fresh_server.proc.returncode == 0, fresh_server.log_tail()
-    assert '"serve.stopped"' in fresh_server.log_tail(20000)
+    log_text = fresh_server.log_tail(20000)
+    assert '"serve.stopped"' in log_text
+    # The node agent ran its own shutdown too (pending removals, its helper), not died of the signal.
+    stopped = [json.loads(line) for line in log_text.splitlines() if '"event": "node.stopped"' in line]
+    assert [e["returncode"] for e in stopped] == [0], stopped
+    assert '"helper.stopped"' in log_text
     db = sqlite3.connect(f"file:{fresh_server.data_dir / 'control' / 'space.db'}?mode=ro", uri=True)
     try:
         rows = db.execute("SELECT action, result FROM audit_log WHERE target = ?", (key_id,)).fetchall()

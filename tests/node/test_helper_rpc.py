@@ -4,8 +4,9 @@ Aspects: a round trip; argument and verb errors arrive as the same classes with 
 streamed lines in order; fd passing (and the server dropping its copy); a timeout, a client
 cancellation and a server shutdown kill the verb's process group; the peer check refuses another
 uid and, without allow_root, root; the socket file is 0660 and replaces a stale one; queued
-connections beyond the limit are served; the ``python -m space.node.helper`` process serves a real
-verb, imports nothing heavy and exits 0 on SIGTERM.
+connections beyond the limit are served; a stop waits for what the verbs it cancels do on
+cancellation; the ``python -m space.node.helper`` process serves a real verb, imports nothing heavy
+and exits 0 on SIGTERM and when its stop pipe closes.
 """
 
 from __future__ import annotations
@@ -76,12 +77,26 @@ class Names:
     boom: str
     crash: str
     mark: str
+    tidy: str
+
+
+def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+def _touch(path: str) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+async def _mark_slowly(path: str) -> None:
+    await asyncio.sleep(0.3)  # cleanup that takes a while, as `runsc delete` does
+    _touch(path)
 
 
 @pytest.fixture(scope="module")
 def names() -> Iterator[Names]:
     prefix = f"rpctest{uuid.uuid4().hex[:8]}"
-    n = Names(*(f"{prefix}.{f}" for f in ("echo", "lines", "sleep", "fd", "boom", "crash", "mark")))
+    n = Names(*(f"{prefix}.{f}" for f in ("echo", "lines", "sleep", "fd", "boom", "crash", "mark", "tidy")))
 
     @verb(n.echo, EchoArgs, cap=10)
     async def echo(ctx: HelperContext, args: EchoArgs, call: Call) -> dict[str, Any]:
@@ -117,6 +132,19 @@ def names() -> Iterator[Names]:
     @verb(n.mark, FileArgs, cap=10)
     async def mark(ctx: HelperContext, args: FileArgs, call: Call) -> dict[str, Any]:
         os.close(os.open(args.path, os.O_CREAT | os.O_WRONLY, 0o644))
+        return {}
+
+    @verb(n.tidy, FileArgs, cap=60)
+    async def tidy(ctx: HelperContext, args: FileArgs, call: Call) -> dict[str, Any]:
+        # Runs until cancelled, and then cleans up slowly, as runtime.launch deletes the instance
+        # it was starting.
+        _touch(args.path + ".started")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            _touch(args.path + ".cancelled")
+            await asyncio.shield(_mark_slowly(args.path))
+            raise
         return {}
 
     try:
@@ -310,6 +338,33 @@ async def test_stopping_the_server_kills_calls_in_flight(tmp_path: Path, names: 
     assert not path.exists()
 
 
+@pytest.mark.parametrize("client_left", [False, True], ids=["in-flight", "client-left"])
+async def test_a_stop_waits_for_what_cancelled_verbs_do_on_cancellation(tmp_path: Path, names: Names,
+                                                                        client_left: bool) -> None:
+    """Either way a verb is cancelled -- by the stop, or earlier because its client went away -- the
+    stop returns only once the verb's own cleanup has finished: cut short, it would leave a
+    half-deleted runsc container behind (and the process exit would kill ``runsc delete``)."""
+    path = tmp_path / "helper.sock"
+    server = await serve(ctx_for(tmp_path), path, agent_uid=0)
+    mark = tmp_path / "cleaned"
+    task = asyncio.create_task(HelperClient(path).call(names.tidy, {"path": str(mark)}))
+
+    async def exists(p: Path) -> bool:
+        return _exists(p)
+
+    try:
+        await await_for(lambda: exists(tmp_path / "cleaned.started"), DEADLINE, "the verb to start")
+        if client_left:
+            task.cancel()
+            await await_for(lambda: exists(tmp_path / "cleaned.cancelled"), DEADLINE, "the verb's cancellation")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert mark.exists(), "the stop returned before the verb's cleanup ended"
+    with pytest.raises((Unavailable, asyncio.CancelledError)):
+        await task
+
+
 async def test_connections_beyond_the_limit_wait_their_turn(tmp_path: Path, names: Names) -> None:
     path = tmp_path / "helper.sock"
     server = await serve(ctx_for(tmp_path), path, agent_uid=0, max_connections=2)
@@ -422,6 +477,39 @@ async def test_the_helper_process_serves_and_stops_on_sigterm(tmp_path: Path) ->
         assert proc.returncode == 0, err.decode()
         assert b"helper.stopped" in err and not path.exists()
     finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_the_helper_process_stops_when_its_stop_pipe_closes(tmp_path: Path) -> None:
+    """The unprivileged agent cannot signal its root helper: closing its end of the stop pipe is
+    how it stops it (and what happens when the agent dies)."""
+    path = tmp_path / "helper.sock"
+    (tmp_path / "data").mkdir()
+    stop_r, stop_w = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "space.node.helper", "--data-dir", str(tmp_path / "data"),
+            "--cache-dir", str(tmp_path / "cache"), "--socket", str(path), "--agent-uid", str(NOBODY),
+            "--allow-root", "--stop-fd", str(stop_r), cwd=REPO, stderr=asyncio.subprocess.PIPE,
+            pass_fds=(stop_r,))
+    finally:
+        os.close(stop_r)
+    try:
+        async def listening() -> bool:
+            assert proc.returncode is None, "the helper exited"
+            return path.exists()
+        await await_for(listening, DEADLINE, "the helper's socket")
+        os.close(stop_w)
+        stop_w = -1
+        async with asyncio.timeout(DEADLINE):
+            _, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert b"helper.stopped" in err and not path.exists()
+    finally:
+        if stop_w >= 0:
+            os.close(stop_w)
         if proc.returncode is None:
             proc.kill()
             await proc.wait()

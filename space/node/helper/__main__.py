@@ -1,9 +1,11 @@
 """``python -m space.node.helper``: the node's root helper process.
 
 It serves the allowlisted verbs on a unix socket that only the node agent's uid (and root, with
-``--allow-root``) may use, until SIGTERM or SIGINT: then it stops accepting, cancels the calls in
-flight (killing their children) and exits 0. Standard library and structlog only, like
-:mod:`space.nodesup`: it must start fast and parse nothing but its requests.
+``--allow-root``) may use, until SIGTERM or SIGINT, its ``--stop-fd`` reaching EOF (the agent closed
+its end, or died) or its ``--parent-pid`` exiting: then it stops accepting, cancels the verbs in
+flight (killing their children), waits for what they do on cancellation and exits 0. Standard
+library and structlog only, like :mod:`space.nodesup`: it must start fast and parse nothing but its
+requests.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runsc", default="runsc")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit with this process (the node agent that started the helper)")
+    p.add_argument("--stop-fd", type=int, default=None,
+                   help="an inherited pipe's read end: its EOF stops the helper (the agent, unprivileged "
+                        "once it dropped root, cannot signal it)")
     return p
 
 
@@ -87,6 +92,18 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    def stop_when_readable(fd: int) -> None:
+        def fire() -> None:
+            # Both a pidfd and a pipe at EOF stay readable: one wake-up is all this needs (left
+            # registered, the loop spins at full CPU for as long as the stop takes).
+            loop.remove_reader(fd)
+            stop.set()
+        loop.add_reader(fd, fire)
+
+    if args.stop_fd is not None:
+        os.set_blocking(args.stop_fd, False)
+        os.set_inheritable(args.stop_fd, False)  # runsc, the gateway: none of their business
+        stop_when_readable(args.stop_fd)  # the agent never writes: readable means EOF
     if args.parent_pid is not None:
         # The parent-death signal alone is not enough: the agent drops root after starting us, and
         # the kernel then drops its dying signal to a root process on the floor (permission check).
@@ -94,7 +111,7 @@ async def _main(args: argparse.Namespace) -> None:
             parent = os.pidfd_open(args.parent_pid)
         except ProcessLookupError:
             return
-        loop.add_reader(parent, stop.set)
+        stop_when_readable(parent)
     server = await serve(ctx, args.socket, agent_uid=args.agent_uid, allow_root=args.allow_root,
                          socket_gid=args.socket_group)
     log.info("helper.started", pid=os.getpid(), verbs=sorted(verbs.REGISTRY))

@@ -1,9 +1,12 @@
 """The node agent starts its root helper (``python -m space.node.helper``) as a child while it is
 still root, waits until it answers, and then talks to it only through :class:`HelperClient`.
 
-The helper dies with the agent (``PR_SET_PDEATHSIG`` in the helper) and the agent exits when the
-helper dies (:meth:`HelperProcess.wait`): the supervisor then restarts the agent, which starts a
-new helper. Sandboxes and the gateway live in their own sessions and survive both.
+The agent stops the helper by closing its end of a pipe (an unprivileged agent cannot signal a root
+process) and waits for it: the helper first finishes what the verbs it cancels do on cancellation.
+The helper also stops when the agent dies (the pipe closes; ``PR_SET_PDEATHSIG`` and a pidfd back
+that up), and the agent exits when the helper dies (:meth:`HelperProcess.wait`): the supervisor
+then restarts the agent, which starts a new helper. Sandboxes and the gateway live in their own
+sessions and survive both.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from space.node.helper.verbs import HelperContext
 
 log = structlog.get_logger(__name__)
 
+#: How long :meth:`HelperProcess.stop` waits for the helper, which first waits for its verbs'
+#: cleanup (up to ``rpc.CLOSE_DEADLINE``, but about a second when a launch was cut short).
 STOP_GRACE = 10.0
 
 
@@ -35,6 +40,8 @@ class HelperProcess:
         self.socket_gid = socket_gid
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = HelperClient(socket_path)
+        #: Our end of the stop pipe: closing it stops the helper.
+        self._stop_w: int | None = None
 
     def argv(self) -> list[str]:
         c = self.ctx
@@ -55,7 +62,12 @@ class HelperProcess:
         d.mkdir(mode=0o750, parents=True, exist_ok=True)
         os.chown(d, 0, self.socket_gid)
         os.chmod(d, 0o750)
-        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, cwd="/")  # noqa: ASYNC220
+        stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self.proc = subprocess.Popen([*self.argv(), "--stop-fd", str(stop_r)],  # noqa: ASYNC220
+                                         stdin=subprocess.DEVNULL, cwd="/", pass_fds=(stop_r,))
+        finally:
+            os.close(stop_r)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -80,13 +92,17 @@ class HelperProcess:
         return code
 
     async def stop(self) -> None:
+        """Ask the helper to stop and wait until it has exited (a parent may wait for a child of
+        another uid, though it may not signal it)."""
+        if self._stop_w is not None:
+            os.close(self._stop_w)
+            self._stop_w = None
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            proc.terminate()
         try:
             await asyncio.wait_for(asyncio.to_thread(proc.wait), STOP_GRACE)
         except TimeoutError:
+            log.warning("helper.stop_overdue", pid=proc.pid, after_s=STOP_GRACE)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 proc.kill()

@@ -39,6 +39,9 @@ MAX_FRAME = 1 << 20
 MAX_FDS = 3
 #: A connection that has not sent its whole request by then is dropped (it holds a call slot).
 REQUEST_DEADLINE = 10.0
+#: How long a stop waits for the verbs it cancelled to finish their cleanup (``runsc delete``
+#: takes about a second; its own timeout is 60 s).
+CLOSE_DEADLINE = 90.0
 #: Client side: how long past the requested timeout the client waits for the helper's own reply.
 GRACE = 5.0
 _HEADER = struct.Struct(">I")
@@ -115,16 +118,33 @@ class HelperServer:
         # Connections beyond the limit are not accepted: they wait in the listen backlog.
         self._slots = asyncio.Semaphore(max_connections)
         self._calls: dict[asyncio.Task[None], socket.socket] = {}
+        #: The verbs running now, each once: a stop cancels them and then waits for them.
+        self._verbs: set[asyncio.Task[dict[str, Any]]] = set()
+        self._closing = False
         self._accepting = asyncio.create_task(self._accept_loop())
 
     def close(self) -> None:
-        """Stop accepting and cancel the calls in flight (their children are killed)."""
-        self._accepting.cancel()
-        for task in self._calls:
-            task.cancel()
+        """Stop accepting and cancel the verbs in flight (their children are killed).
 
-    async def wait_closed(self) -> None:
-        await asyncio.gather(self._accepting, *self._calls, return_exceptions=True)
+        Each verb is cancelled once and its connection keeps waiting for it, so that what it does
+        when cancelled (``runtime.launch`` deletes the instance it was starting) runs to its end
+        before :meth:`wait_closed` returns; cancelling the connections would abandon that work
+        half-done, and the process exit would then kill it mid-way."""
+        self._closing = True
+        self._accepting.cancel()
+        for task in self._verbs:
+            if not task.cancelling():  # one whose client left is cancelled already: not again
+                task.cancel()
+
+    async def wait_closed(self, deadline: float = CLOSE_DEADLINE) -> None:
+        """Until every connection has ended; after ``deadline`` seconds the stragglers are cancelled."""
+        pending = {self._accepting, *self._calls}
+        _, late = await asyncio.wait(pending, timeout=deadline)
+        if late:
+            log.warning("helper.close_overdue", calls=len(late), after_s=deadline)
+            for task in late:
+                task.cancel()
+            await asyncio.wait(late, timeout=5.0)
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -166,7 +186,10 @@ class HelperServer:
             except (TimeoutError, OSError, InvalidRequest) as exc:
                 log.warning("helper.bad_request", pid=pid, error=str(exc) or type(exc).__name__)
                 return
-            reply = await self._run(conn, request, fds, pid)
+            if self._closing:
+                reply: dict[str, Any] | None = _error(Unavailable("the helper is stopping"))
+            else:
+                reply = await self._run(conn, request, fds, pid)
             if reply is not None:
                 try:
                     data = _frame(reply)
@@ -227,6 +250,8 @@ class HelperServer:
 
         call = asyncio.create_task(invoke(self.ctx, verb, args, fds=dict(zip(roles, fds, strict=True)),
                                           on_line=send_line, timeout=timeout))
+        self._verbs.add(call)
+        call.add_done_callback(self._verbs.discard)
         # A request is one frame: anything the client sends afterwards is its EOF (or misbehaviour).
         watch = asyncio.create_task(loop.sock_recv(conn, 1))
         watch.add_done_callback(lambda t: t.cancelled() or t.exception())  # a reset is an EOF too

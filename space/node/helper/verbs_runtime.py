@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,82 @@ class Runsc:
                        .get("status") or "running")
         except (OSError, ValueError):
             return "running"
+
+
+#: The names runsc gives the processes it leaves running: a sandbox's sentry and its gofer.
+_RUNSC_PROCESSES = ("runsc-sandbox", "runsc-gofer")
+#: The controllers runsc makes an instance's cgroup in (``/space/<instance>``).
+_CGROUPS = Path("/sys/fs/cgroup")
+
+
+def runsc_processes(r: Runsc) -> dict[int, str]:
+    """pid -> instance of every sentry and gofer under this node's runsc root, found in /proc.
+
+    runsc finds only the instances it has a state file for. A launch cut short after runsc started
+    the sandbox but before it wrote that file leaves a sentry and gofer no ``runsc`` command knows;
+    the sentry holds the guest log open in the pool, so the pool can then not be unmounted."""
+    root_flag, bundle_flag = f"--root={r.root}", f"--bundle={r.bundles}/"
+    found: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "cmdline"), "rb") as f:
+                argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        if not argv or argv[0] not in _RUNSC_PROCESSES or root_flag not in argv:
+            continue
+        bundled = [a.removeprefix(bundle_flag) for a in argv if a.startswith(bundle_flag)]
+        instance = bundled[0] if bundled else argv[-1]
+        if is_instance(instance):
+            found[int(entry.name)] = instance
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie holds no files and no mounts any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Collection[str] = ()) -> list[str]:
+    """SIGKILL the sentries and gofers of instances in ``only`` (None: every instance) that are not
+    in ``keep``, wait until they are gone and remove their cgroups; the instances it found."""
+    victims = {pid: inst for pid, inst in runsc_processes(r).items()
+               if (only is None or inst in only) and inst not in keep}
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    while (left := [p for p in victims if _alive(p)]) and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    instances = sorted(set(victims.values()))
+    # A cgroup goes only once its last task has been reaped, which its new parent does when it will.
+    while _remove_cgroups(instances) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if victims:
+        log.warning("runtime.strays_killed", instances=instances, pids=sorted(victims), left=left)
+    return instances
+
+
+def _remove_cgroups(instances: list[str]) -> list[Path]:
+    """Remove the instances' cgroups; those still busy."""
+    busy = []
+    for controller in _CGROUPS.iterdir() if instances and _CGROUPS.is_dir() else []:
+        for inst in instances:
+            group = controller / "space" / inst
+            try:
+                group.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # a task is still in it
+                busy.append(group)
+    return busy
 
 
 def frozen(instance: str) -> bool:
@@ -249,7 +326,9 @@ def _delegate_cgroup(ctx: HelperContext, instance: str) -> None:
 
 
 async def _delete(r: Runsc, instance: str) -> int:
+    """``runsc delete --force``, then whatever of the instance runsc did not know about."""
     res = await privileged.run(*r.cmd("delete", "--force", instance), check=False, timeout=60)
+    await kill_strays(r, only={instance})
     shutil.rmtree(r.bundles / instance, ignore_errors=True)
     return res.returncode
 
@@ -334,8 +413,9 @@ async def runtime_delete(ctx: HelperContext, a: InstanceArgs, call: Call) -> dic
     """Kill and remove the instance and its bundle; idempotent (a missing one is not an error)."""
     r = Runsc(ctx)
     if not r.exists(a.instance):
+        killed = await kill_strays(r, only={a.instance})
         shutil.rmtree(r.bundles / a.instance, ignore_errors=True)
-        return {"deleted": False}
+        return {"deleted": bool(killed)}
     _thaw(a.instance)
     await privileged.run(*r.cmd("kill", "--all", a.instance, "KILL"), check=False, timeout=30)
     if await _delete(r, a.instance) != 0 and await _state(r, a.instance) is not None:
@@ -367,6 +447,20 @@ async def runtime_state(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict
 @dataclass(frozen=True)
 class NoArgs:
     pass
+
+
+@dataclass(frozen=True)
+class SweepArgs:
+    #: The instances whose processes stay (those the node adopted).
+    keep: list[str] = field(default_factory=list, metadata=check(is_instance, "a list of instance ids"))
+
+
+@verb("runtime.sweep", SweepArgs, cap=60)
+async def runtime_sweep(ctx: HelperContext, a: SweepArgs, call: Call) -> dict[str, Any]:
+    """Kill the sentries and gofers under this node's runsc root of every instance not in ``keep``
+    and not in runsc's own records (those go through ``runtime.delete``); the instances killed."""
+    r = Runsc(ctx)
+    return {"killed": await kill_strays(r, keep=set(a.keep) | r.known())}
 
 
 @verb("runtime.list", NoArgs, cap=60, audit=False)
