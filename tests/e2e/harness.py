@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -129,6 +130,22 @@ class Server:
         """Stop the server and release every sandbox, mount and loop device it made."""
         self.stop()
         node_teardown(self.data_dir, log_tail=self.log_tail())
+
+
+_INSTANCE_IN_LOG = re.compile(rb'"instance": "([A-Za-z0-9][A-Za-z0-9._-]*-[a-z0-9]{5})"')
+
+
+def leaked_cgroups(log_path: Path) -> list[str]:
+    """The cgroups still there of the runtime instances a server's log names (runsc makes one per
+    controller, ``/sys/fs/cgroup/<controller>/space/<instance>``, and deleting the instance removes
+    them)."""
+    try:
+        instances = set(_INSTANCE_IN_LOG.findall(log_path.read_bytes()))
+    except OSError:
+        return []
+    root = Path("/sys/fs/cgroup")
+    groups = [c / "space" for c in root.iterdir()] if root.is_dir() else []
+    return sorted(str(g / i.decode()) for g in groups for i in instances if (g / i.decode()).exists())
 
 
 def node_teardown(data_dir: Path, *extra: str, log_tail: str = "") -> None:
@@ -296,6 +313,7 @@ def own_server(tmp: Path, *extra_args: str, env: dict[str, str] | None = None,
         srv.teardown()
         assert loop_devices(srv.data_dir / "pool.img") == "", "the pool's loop device leaked"
         assert not channel_dir_for(srv.data_dir).exists(), "the node's socket directory leaked"
+        assert leaked_cgroups(srv.log_path) == [], "runtime instances' cgroups leaked"
         shutil.rmtree(scratch)
 
 

@@ -1,9 +1,11 @@
 """What the helper's runtime verbs refuse before runsc ever runs (their success paths boot real
-sandboxes in every e2e test)."""
+sandboxes in every e2e test), and how they find and remove what a runsc cut short left behind."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,8 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
+from space.node.helper.verbs_runtime import Runsc, runsc_processes
+from tests.waiting import await_for
 
 SID = "sbx-helper-test"
 IID = f"{SID}-abcde"
@@ -112,3 +116,62 @@ async def test_checkpoint_refuses_a_planted_image_dir(priv: InProcess, tmp_path:
         await priv.call("runtime.checkpoint", {"instance": IID, "sandbox": SID, "snapshot": "snap-1"})
     with pytest.raises(Conflict):
         await priv.call("runtime.checkpoint", {"instance": IID, "sandbox": "other", "snapshot": "snap-1"})
+
+
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def _fake_runsc(name: str, root: Path, instance: str) -> subprocess.Popen[bytes]:
+    """A process that looks like a runsc sentry (or gofer) of ``instance`` under ``root`` in /proc."""
+    return subprocess.Popen(["bash", "-c", f'exec -a {name} "$0" "$@"', sys.executable, "-c",
+                             "import time; time.sleep(300)", f"--root={root}", instance])
+
+
+async def test_sweep_kills_the_sentries_runsc_lost_track_of_and_keeps_the_rest(priv: InProcess,
+                                                                               tmp_path: Path) -> None:
+    root = tmp_path / "data" / "runsc"
+    other = f"{SID}-fghij"
+    stray, kept = _fake_runsc("runsc-sandbox", root, IID), _fake_runsc("runsc-sandbox", root, other)
+    elsewhere = _fake_runsc("runsc-sandbox", tmp_path / "another-node", f"{SID}-klmno")
+    try:
+        ctx = HelperContext(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+        async def seen() -> bool:
+            return {stray.pid, kept.pid} <= set(runsc_processes(Runsc(ctx)))
+        await await_for(seen, 30, "the fake sentries in /proc")
+        assert elsewhere.pid not in runsc_processes(Runsc(ctx)), "another node's runsc root is not ours"
+        assert await priv.call("runtime.sweep", {"keep": [other]}) == {"killed": [IID]}
+        assert stray.wait(timeout=30) == -9
+        assert kept.poll() is None and elsewhere.poll() is None
+    finally:
+        for p in (stray, kept, elsewhere):
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def empty_cgroups() -> Iterator[list[Path]]:
+    """Empty cgroups of IID in every controller with a ``space`` hierarchy (removed afterwards)."""
+    controllers = [c for c in CGROUPS.iterdir() if (c / "space").is_dir()] if CGROUPS.is_dir() else []
+    if not controllers:
+        pytest.skip("no cgroup v1 'space' hierarchy here")
+    made = [c / "space" / IID for c in controllers]
+    try:
+        for group in made:
+            group.mkdir()
+        yield made
+    finally:
+        for group in made:
+            if group.exists():
+                group.rmdir()
+
+
+def _existing(paths: list[Path]) -> list[Path]:
+    return [p for p in paths if p.exists()]
+
+
+async def test_delete_removes_the_empty_cgroups_of_a_start_cut_short(priv: InProcess,
+                                                                     empty_cgroups: list[Path]) -> None:
+    """runsc makes the instance's cgroups before it starts the sentry; killed in between, it
+    leaves them, and runsc itself no longer knows the instance."""
+    assert await priv.call("runtime.delete", {"instance": IID}) == {"deleted": False}
+    assert _existing(empty_cgroups) == []

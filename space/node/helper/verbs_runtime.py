@@ -136,7 +136,8 @@ def _alive(pid: int) -> bool:
 
 async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Collection[str] = ()) -> list[str]:
     """SIGKILL the sentries and gofers of instances in ``only`` (None: every instance) that are not
-    in ``keep``, wait until they are gone and remove their cgroups; the instances it found."""
+    in ``keep``, wait until they are gone and remove their cgroups (and the empty cgroups of every
+    instance in ``only``); the instances whose processes it killed."""
     victims = {pid: inst for pid, inst in runsc_processes(r).items()
                if (only is None or inst in only) and inst not in keep}
     for pid in victims:
@@ -150,6 +151,10 @@ async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Co
     # A cgroup goes only once its last task has been reaped, which its new parent does when it will.
     while _remove_cgroups(instances) and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if only is not None:
+        # runsc makes the cgroups before it starts the sentry: a start killed in between leaves
+        # them empty, and no runsc command removes them.
+        _remove_cgroups(sorted(set(only) - set(instances)))
     if victims:
         log.warning("runtime.strays_killed", instances=instances, pids=sorted(victims), left=left)
     return instances
