@@ -88,8 +88,12 @@ def _touch(path: str) -> None:
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
 
 
-async def _mark_slowly(path: str) -> None:
-    await asyncio.sleep(0.3)  # cleanup that takes a while, as `runsc delete` does
+#: What the ``tidy`` verb's cleanup waits for, per marker path: the test decides when it ends.
+_GATES: dict[str, asyncio.Event] = {}
+
+
+async def _mark_when_let(path: str) -> None:
+    await _GATES.setdefault(path, asyncio.Event()).wait()  # cleanup that takes a while, as `runsc delete`
     _touch(path)
 
 
@@ -143,7 +147,7 @@ def names() -> Iterator[Names]:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             _touch(args.path + ".cancelled")
-            await asyncio.shield(_mark_slowly(args.path))
+            await asyncio.shield(_mark_when_let(args.path))
             raise
         return {}
 
@@ -352,15 +356,30 @@ async def test_a_stop_waits_for_what_cancelled_verbs_do_on_cancellation(tmp_path
     async def exists(p: Path) -> bool:
         return _exists(p)
 
+    gate = _GATES.setdefault(str(mark), asyncio.Event())
+    closing = None
     try:
         await await_for(lambda: exists(tmp_path / "cleaned.started"), DEADLINE, "the verb to start")
         if client_left:
             task.cancel()
             await await_for(lambda: exists(tmp_path / "cleaned.cancelled"), DEADLINE, "the verb's cancellation")
-    finally:
         server.close()
-        await server.wait_closed()
-    assert mark.exists(), "the stop returned before the verb's cleanup ended"
+        closing = asyncio.create_task(server.wait_closed())
+        await await_for(lambda: exists(tmp_path / "cleaned.cancelled"), DEADLINE, "the verb's cancellation")
+        # Not a wait for readiness: the stop must not end at all while the cleanup is held (the
+        # old stop ended within a millisecond).
+        ended, _ = await asyncio.wait({closing}, timeout=0.5)
+        assert not ended, "the stop returned while the verb was still cleaning up"
+        gate.set()
+        await closing
+        assert mark.exists()
+    finally:
+        gate.set()
+        if closing is None:
+            server.close()
+            closing = asyncio.create_task(server.wait_closed())
+        await closing
+        _GATES.pop(str(mark), None)
     with pytest.raises((Unavailable, asyncio.CancelledError)):
         await task
 
