@@ -92,6 +92,7 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
     def stop_when_readable(fd: int) -> None:
         def fire() -> None:
             # Both a pidfd and a pipe at EOF stay readable: one wake-up is all this needs (left
