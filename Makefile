@@ -45,6 +45,7 @@ test: setup lint typecheck  ## the whole test suite, with real sandboxes
 lint:
 	$(VENV)/bin/ruff check space tests bench scripts
 	$(PY) scripts/unasync.py --check
+	$(VENV)/bin/lint-imports
 
 typecheck:
 	$(VENV)/bin/mypy

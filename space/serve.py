@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from space import privdrop
+from space import privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
@@ -193,13 +193,13 @@ async def serve(settings: ServeSettings) -> None:
     data.mkdir(parents=True, exist_ok=True)
     os.chmod(data, 0o700)
     user = privdrop.resolve_user(settings.user)
-    privdrop.migrate_layout(settings)
+    serve_state.migrate_layout(settings)
     secret = _secret_file(data / "secret.key")
     token_file = data / "node.token"
     token = _secret_file(token_file)
     socket = channel_dir_for(data) / "node.sock"
     if user is not None:
-        privdrop.own_serve_state(settings, user)
+        serve_state.own_serve_state(settings, user)
 
     node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None)
     node.start()
@@ -211,7 +211,7 @@ async def serve(settings: ServeSettings) -> None:
         if user is not None:
             # The node agent runs (as root, under its supervisor); nothing from here on needs root.
             privdrop.drop_privileges(user)
-            privdrop.check_access(user, settings)
+            serve_state.check_access(user, settings)
         info = await wait_node_ready(client, node)
         node.ready()
         log.info("node.ready", node=NODE_ID, templates=info.get("templates"))
@@ -230,7 +230,7 @@ async def serve(settings: ServeSettings) -> None:
                          operator_tenant=settings.operator_tenant,
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None)
         await bootstrap_templates(state, settings.bootstrap_templates)
-        await seed_warm_pool(state, privdrop.control_dir(settings), settings.warm_pool)
+        await seed_warm_pool(state, serve_state.control_dir(settings), settings.warm_pool)
         await controller.push_warm_pools()
 
         host, _, port = settings.listen.rpartition(":")
@@ -247,6 +247,7 @@ async def serve(settings: ServeSettings) -> None:
             hb.cancel()
             await state.audit.aclose()  # the last calls' audit records
     finally:
+        await _say_what_keeps_running(client, data)
         await client.aclose()
         if credentials is not None:
             await credentials.aclose()
@@ -256,6 +257,22 @@ async def serve(settings: ServeSettings) -> None:
             await store.close()
         await node.stop()
         log.info("serve.stopped")
+
+
+async def _say_what_keeps_running(client: NodeClient, data: Path) -> None:
+    """Sandboxes outlive the server by design (a restart adopts them), warm ones and the egress
+    gateway included: say so on the way out, and how to stop them, so nobody thinks they stopped."""
+    try:
+        info = await client.call("GET", "/v1/node", timeout=5)
+    except SpaceError:
+        return  # the node agent is gone already: nothing of it to report
+    running = int(info.get("sandboxes") or 0)
+    warm = sum(int(p.get("ready") or 0) + int(p.get("booting") or 0) for p in info.get("warm") or [])
+    if running or warm or info.get("network"):
+        message = (f"{running} sandboxes and {warm} warm ones keep running"
+                   f"{', and the egress gateway' if info.get('network') else ''}; "
+                   f"a restart adopts them, `space node teardown --data-dir {data}` stops them")
+        log.info("serve.left_running", sandboxes=running, warm=warm, message=message)
 
 
 def run(settings: ServeSettings) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from space import privdrop
+from space import privdrop, serve_state
 from space.config import ServeSettings
 from space.privdrop import PrivilegeError, ServiceUser
 from tests.waiting import wait_for
@@ -49,7 +49,7 @@ def scratch(tmp_path: Path, user: ServiceUser) -> Path:
 
 def as_user(code: str, user: ServiceUser, *, drop: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a child that first drops to ``user`` through ``drop_privileges``."""
-    pre = "from space import logs, privdrop\nlogs.configure('warning')\n"  # logs go to stderr
+    pre = "from space import logs, privdrop, serve_state\nlogs.configure('warning')\n"  # logs go to stderr
     if drop:
         pre += f"privdrop.drop_privileges(privdrop.resolve_user({user.name!r}))\n"
     return subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)],
@@ -134,7 +134,7 @@ def test_state_the_user_cannot_reach_is_refused_naming_the_blocking_directory(
         from pathlib import Path
         from space.config import ServeSettings
         try:
-            privdrop.check_access(privdrop.resolve_user({user.name!r}), ServeSettings(data_dir=Path({str(data)!r})))
+            serve_state.check_access(privdrop.resolve_user({user.name!r}), ServeSettings(data_dir=Path({str(data)!r})))
         except privdrop.PrivilegeError as e:
             print(e.details["blocker"])
     """, user)
@@ -152,8 +152,8 @@ def test_own_serve_state_hands_over_the_api_files_only(scratch: Path, user: Serv
     (data / "node.token").write_text("t\n")
     (data / "pool.lock").write_text("")
     settings = ServeSettings(data_dir=data)
-    privdrop.migrate_layout(settings)
-    privdrop.own_serve_state(settings, user)
+    serve_state.migrate_layout(settings)
+    serve_state.own_serve_state(settings, user)
     st = data.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, user.gid, 0o710)
     for name in ("secret.key", "master.key", "admin.key"):
@@ -168,7 +168,7 @@ def test_own_serve_state_hands_over_the_api_files_only(scratch: Path, user: Serv
         from pathlib import Path
         from space.config import ServeSettings
         data = Path({str(data)!r})
-        privdrop.check_access(privdrop.resolve_user({user.name!r}), ServeSettings(data_dir=data))
+        serve_state.check_access(privdrop.resolve_user({user.name!r}), ServeSettings(data_dir=data))
         (data / "control" / "space.db").write_text("db")
         (data / "admin.key").write_text("k")
         try:
@@ -187,7 +187,7 @@ def test_planted_links_in_the_users_directory_are_not_followed(scratch: Path, us
     victim.write_text("root's")
     os.link(victim, data / "control" / "space.db-wal")  # a second name for a root file
     (data / "control" / "space.db-shm").symlink_to(victim)
-    privdrop.own_serve_state(ServeSettings(data_dir=data), user)
+    serve_state.own_serve_state(ServeSettings(data_dir=data), user)
     assert victim.stat().st_uid == 0
 
 
@@ -197,22 +197,22 @@ def test_an_old_layout_moves_into_the_control_directory(tmp_path: Path) -> None:
     for name in ("space.db", "space.db-wal", "warm-pool.seeded"):
         (data / name).write_text(name)
     settings = ServeSettings(data_dir=data)
-    privdrop.migrate_layout(settings)
+    serve_state.migrate_layout(settings)
     assert sorted(p.name for p in (data / "control").iterdir()) == ["space.db", "space.db-wal", "warm-pool.seeded"]
     assert (data / "control" / "space.db").read_text() == "space.db"
     assert not (data / "space.db").exists()
     assert settings.resolved_database_url().endswith("/data/control/space.db")
-    privdrop.migrate_layout(settings)  # nothing left to do
+    serve_state.migrate_layout(settings)  # nothing left to do
     (data / "space.db").write_text("another")
     with pytest.raises(PrivilegeError, match="both"):
-        privdrop.migrate_layout(settings)
+        serve_state.migrate_layout(settings)
 
 
 def test_the_object_store_is_shared_with_the_users_group_now_and_later(scratch: Path, user: ServiceUser) -> None:
     objects = scratch / "objects"
     (objects / "old" / "deep").mkdir(parents=True)
     (objects / "old" / "deep" / "blob").write_bytes(b"x")
-    privdrop.share_tree(objects, user.gid)
+    serve_state.share_tree(objects, user.gid)
     # Made by root after the share, with root's umask: the default ACL still admits the group.
     (objects / "new" / "dir").mkdir(parents=True)
     (objects / "new" / "dir" / "blob").write_bytes(b"y")
@@ -229,7 +229,7 @@ def test_the_object_store_is_shared_with_the_users_group_now_and_later(scratch: 
     """, user)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
-    privdrop.share_tree(objects, user.gid)  # done before: not walked again
+    serve_state.share_tree(objects, user.gid)  # done before: not walked again
 
 
 # ---- the node agent's supervisor ---------------------------------------------------------------

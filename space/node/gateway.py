@@ -82,7 +82,7 @@ def gateway_user(name: str | None = GATEWAY_USER) -> ServiceUser | None:
     ``name`` is None or root, or the user does not exist: that one is logged)."""
     if name is None or os.geteuid() != 0:
         return None
-    from space.privdrop import ServiceUser  # it imports sqlalchemy: only when dropping
+    from space.privdrop import ServiceUser
 
     try:
         pw = pwd.getpwnam(name)

@@ -212,3 +212,22 @@ def test_sigterm_shuts_down_cleanly_and_keeps_the_last_audit_records(fresh_serve
     finally:
         db.close()
     assert rows == [("apikey.create", "ok")], rows
+
+
+def test_a_stop_says_which_sandboxes_keep_running_and_a_restart_adopts_them(fresh_server: Server) -> None:
+    """Sandboxes outlive ``space serve`` by design; its stop says how many keep running (and the
+    gateway), and how to stop them, and the next start adopts them."""
+    srv = fresh_server
+    srv.start()
+    with srv.client() as api:
+        sid = create_sandbox(api)
+    srv.stop()
+    left = [json.loads(line) for line in srv.log_tail(20000).splitlines() if '"serve.left_running"' in line]
+    assert len(left) == 1, srv.log_tail()
+    assert left[0]["sandboxes"] == 1 and left[0]["warm"] == 0, left
+    assert f"space node teardown --data-dir {srv.data_dir.resolve()}" in left[0]["message"], left
+    assert "egress gateway" in left[0]["message"], left
+    srv.start()
+    with srv.client() as api:
+        assert run(api, sid, {"cmd": ["true"]})[0] == 0
+        api.delete(f"/v1/sandboxes/{sid}")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from space.node.main import channel_dir_for
-from space.privdrop import acl_groups
+from space.serve_state import acl_groups
 from tests.e2e.harness import Server, create_sandbox, node_agent_pid, run, wait_for, wait_operation
 
 pytestmark = pytest.mark.runtime
