@@ -17,6 +17,7 @@ from sqlalchemy import delete
 
 from space.lifecycle import State
 from space.store import Sandbox, Store
+from tests.conftest import E2B_TEST_DOMAIN
 from tests.e2e import e2b_env
 from tests.e2e.harness import Server, runtime_available
 from tests.security import e2b_fixtures as fx
@@ -263,3 +264,15 @@ def test_a_signed_url_names_its_sandbox(server: Server, private: Any, made: e2b_
     # Bounded: a signature of the wrong shape is refused before any hashing.
     r = httpx.get(f"{server.url}/files", params={"path": "x", "signature": "v1_" + "A" * 10_000, "sandbox_id": sid})
     assert r.status_code == 401 and r.json()["message"] == "invalid signature"
+
+
+@pytest.mark.runtime
+@pytest.mark.skipif(runtime_available() is not None, reason=str(runtime_available()))
+def test_an_expired_signature_is_refused_however_the_sandbox_is_named(server: Server, private: Any) -> None:
+    """The expiration used to be checked only for URLs that named no sandbox."""
+    sid = private.sandbox_id
+    expired = private.download_url("/home/user/secret.txt", use_signature_expiration=-120)
+    for r in (httpx.get(expired, headers={"E2b-Sandbox-Id": sid}),
+              httpx.get(expired, headers={"Host": f"49983-{sid}.{E2B_TEST_DOMAIN}"})):
+        assert r.status_code == 401 and r.json() == {"code": 401, "message": "signature is already expired"}
+        assert "the tenant's secret" not in r.text
