@@ -269,7 +269,7 @@ def test_a_signed_url_names_its_sandbox(server: Server, private: Any, made: e2b_
 @pytest.mark.runtime
 @pytest.mark.skipif(runtime_available() is not None, reason=str(runtime_available()))
 def test_an_expired_signature_is_refused_however_the_sandbox_is_named(server: Server, private: Any) -> None:
-    """The expiration used to be checked only for URLs that named no sandbox."""
+    """A guard, as the check moved: the expiration holds whichever way the URL names its sandbox."""
     sid = private.sandbox_id
     expired = private.download_url("/home/user/secret.txt", use_signature_expiration=-120)
     for r in (httpx.get(expired, headers={"E2b-Sandbox-Id": sid}),
