@@ -38,6 +38,11 @@ def token(nbytes: int = 32) -> str:
     return secrets.token_urlsafe(nbytes)
 
 
+def token_nonce() -> str:
+    """A sandbox row's ``token_nonce`` (what its E2B tokens are made with: ``space.e2b.tokens``)."""
+    return token(16)
+
+
 def snapshot_id() -> str:
     """21 characters: ``snap-`` and 16 random (object-store keys and btrfs names both accept it)."""
     return "snap-" + _random(16)

@@ -91,6 +91,7 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("POST", "/sandboxes/{sandbox_id}/pause"): "sandbox.pause",
     ("POST", "/sandboxes/{sandbox_id}/fork"): "sandbox.fork",
     ("PUT", "/sandboxes/{sandbox_id}/network"): "egress.set",
+    ("POST", "/sandboxes/{sandbox_id}/tokens/rotate"): "sandbox.rotate_tokens",
     ("POST", "/sandboxes/{sandbox_id}/snapshots"): "snapshot.create",
     ("DELETE", "/templates/{snapshot_id}"): "snapshot.delete",
     # E2B's envd plane (space.e2b.envd): the calls that change something in the sandbox

@@ -29,8 +29,13 @@ class Principal:
     def is_operator(self) -> bool:
         return self.operator_tenant and self.role == "admin"
 
+    @property
+    def read_only(self) -> bool:
+        """A readonly key: it reads, and nothing it does changes a thing (not even wakes a sandbox)."""
+        return self.role == "readonly"
+
     def require_write(self) -> None:
-        if self.role == "readonly":
+        if self.read_only:
             raise Forbidden("this API key is read-only")
 
     def require_admin(self) -> None:

@@ -64,14 +64,14 @@ async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St) 
 
 @router.get("")
 async def list_commands(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
-    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/commands")
     return res
 
 
 @router.get("/{cid}")
 async def get_command(sandbox_id: str, cid: str, who: Auth, st: St) -> dict[str, Any]:
-    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}")
     return res
 
@@ -87,13 +87,15 @@ async def command_events(
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     if token is not None:
+        # The token of a command a key that may write started: its holder may wake the sandbox.
         if not check_attach_token(st.secret, sandbox_id, cid, token):
             raise Unauthorized("invalid attach token")
         sb = await st.store.get_sandbox(sandbox_id)
-        tenant = sb.tenant
+        tenant, read_only = sb.tenant, False
     else:
-        tenant = (await principal(request)).tenant
-    _, node = await running_sandbox(st, sandbox_id, tenant)
+        who = await principal(request)
+        tenant, read_only = who.tenant, who.read_only
+    _, node = await running_sandbox(st, sandbox_id, tenant, read_only=read_only)
     start = after if after is not None else 0
     if last_event_id and last_event_id.strip().isdigit():
         start = max(start, int(last_event_id.strip()))

@@ -63,15 +63,21 @@ TOUCH_EVERY = 5.0
 _touched: dict[str, float] = {}
 
 
-async def running_sandbox(st: AppState, sandbox_id: str, tenant: str) -> tuple[Sandbox, SandboxNode]:
+async def running_sandbox(st: AppState, sandbox_id: str, tenant: str,
+                          *, read_only: bool = False) -> tuple[Sandbox, SandboxNode]:
     """The tenant's sandbox, ready to talk to its guest: a paused one is resumed and a suspended
     one restored first (transparently, within a deadline) unless it was created with
-    ``auto_resume`` off; other states answer 409."""
+    ``auto_resume`` off; other states answer 409.
+
+    ``read_only``: the caller's key may only read. Waking a sandbox and counting as its activity
+    (which holds off its idle pause) change it, so such a call does neither: a paused sandbox
+    answers 409 as without ``auto_resume``."""
     sb = await st.store.get_sandbox(sandbox_id, tenant=tenant)
-    if (sb.state in WAKE and sb.auto_resume) or sb.state == State.RESTORING:
+    if not read_only and ((sb.state in WAKE and sb.auto_resume) or sb.state == State.RESTORING):
         sb = await _wake(st, sb)
     require(sb.state, Action.EXEC)
-    await _touch(st, sb.id)
+    if not read_only:
+        await _touch(st, sb.id)
     if sb.node_id is None:
         raise Unavailable(f"sandbox {sandbox_id} has no node yet")
     return sb, SandboxNode(st, sb, await st.nodes.client(sb.node_id))

@@ -34,7 +34,7 @@ class MoveBody(BaseModel):
 @router.get("")
 async def download(sandbox_id: str, path: PathQ, who: Auth, st: St) -> StreamingResponse:
     p = paths.normalize(path)
-    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     resp = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": p})
     return passthrough(resp, "application/octet-stream")
 
@@ -80,7 +80,7 @@ async def upload(sandbox_id: str, path: PathQ, request: Request, who: Auth, st: 
 @router.get("/list")
 async def list_dir(sandbox_id: str, path: PathQ, who: Auth, st: St,
                    depth: Annotated[int, Query(ge=1, le=32)] = 1) -> dict[str, Any]:
-    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/files/list",
                                           params={"path": paths.normalize(path), "depth": depth})
     return res
@@ -88,7 +88,7 @@ async def list_dir(sandbox_id: str, path: PathQ, who: Auth, st: St,
 
 @router.get("/stat")
 async def stat(sandbox_id: str, path: PathQ, who: Auth, st: St) -> dict[str, Any]:
-    _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     res: dict[str, Any] = await node.call("GET", f"/v1/sandboxes/{sandbox_id}/files/stat",
                                           params={"path": paths.normalize(path)})
     return res

@@ -70,7 +70,7 @@ async def proxy_to_port(st: AppState, sb: Sandbox, node: SandboxNode, port: int,
 async def _proxy(sandbox_id: str, port: Port, request: Request, who: Auth, st: St) -> Response:
     if request.method not in SAFE_METHODS:
         who.require_write()
-    sb, node = await running_sandbox(st, sandbox_id, who.tenant)
+    sb, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
     return await proxy_to_port(st, sb, node, port, subpath(request.scope), request)
 
 

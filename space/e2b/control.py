@@ -31,7 +31,8 @@ from space.api.dataplane import wait_operation
 from space.api.egress import push as egress_push
 from space.api.lifecycle import ForkBody, enqueue_action, fork_sandbox, start_suspend
 from space.api.state import AppState, app_state
-from space.e2b.edge import envd_token, json_body, timed_out
+from space.e2b import tokens
+from space.e2b.edge import json_body, timed_out
 from space.errors import InvalidState, NotFound, SpaceError, Unauthorized
 from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State
@@ -99,12 +100,19 @@ def e2b_state(sb: Sandbox) -> str:
     return "paused" if sb.state in PAUSED_STATES else "running"
 
 
-def sandbox_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
-    view = {"templateID": sb.template, "sandboxID": sb.id, "clientID": CLIENT_ID, "alias": sb.template,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": envd_token(st.secret, sb.id), "domain": None}
+def token_view(st: AppState, sb: Sandbox) -> dict[str, str]:
+    """The sandbox's tokens, for a key that may write (space.e2b.tokens): the envd token, and the
+    port-only traffic token when its ports are private."""
+    view = {"envdAccessToken": tokens.envd_token(st.secret, sb)}
     if not sb.public_ports:
-        view["trafficAccessToken"] = envd_token(st.secret, sb.id)
+        view["trafficAccessToken"] = tokens.traffic_token(st.secret, sb)
     return view
+
+
+def sandbox_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
+    """What create, connect, fork and a rotation answer: only to keys that may write."""
+    return {"templateID": sb.template, "sandboxID": sb.id, "clientID": CLIENT_ID, "alias": sb.template,
+            "envdVersion": ENVD_VERSION, "domain": None, **token_view(st, sb)}
 
 
 def listed_view(sb: Sandbox) -> dict[str, Any]:
@@ -115,8 +123,10 @@ def listed_view(sb: Sandbox) -> dict[str, Any]:
             "state": e2b_state(sb), "metadata": dict(sb.meta or {})}
 
 
-def detail_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
-    return {**listed_view(sb), "envdAccessToken": envd_token(st.secret, sb.id), "domain": None,
+def detail_view(st: AppState, sb: Sandbox, who: Principal) -> dict[str, Any]:
+    # A readonly key sees the sandbox, not its tokens: either would let it act on the sandbox.
+    secrets = {} if who.read_only else {"envdAccessToken": tokens.envd_token(st.secret, sb)}
+    return {**listed_view(sb), **secrets, "domain": None,
             "allowInternetAccess": (sb.egress or {}).get("default") != "deny",
             "lifecycle": {"onTimeout": "kill" if sb.expire_action == "delete" else "pause",
                           "autoResume": bool(sb.auto_resume)},
@@ -368,6 +378,7 @@ async def connect_v1(sandbox_id: str, who: Auth, st: St, body: ConnectBody | Non
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def resume(sandbox_id: str, who: Auth, st: St, body: ResumeBody | None = None) -> Response:
     """1.x SDKs: resume a paused sandbox (409 when it runs)."""
+    who.require_write()  # before anything changes (autoPause below)
     sb = await live_sandbox(st, who, sandbox_id)
     if sb.state == State.RUNNING:
         raise E2BError(409, f"sandbox {sandbox_id} is already running")
@@ -390,7 +401,19 @@ async def kill(sandbox_id: str, who: Auth, st: St) -> Response:
 
 @router.get("/sandboxes/{sandbox_id}")
 async def get_info(sandbox_id: str, who: Auth, st: St) -> Response:
-    return json_body(detail_view(st, await live_sandbox(st, who, sandbox_id)))
+    return json_body(detail_view(st, await live_sandbox(st, who, sandbox_id), who))
+
+
+@router.post("/sandboxes/{sandbox_id}/tokens/rotate")
+async def rotate_tokens(sandbox_id: str, who: Auth, st: St) -> Response:
+    """SPACE's own (not E2B's): new envd and traffic tokens for the sandbox. The old ones, and every
+    URL signed with them, stop working at once on every replica (each check reads the row); the
+    answer is ``connect``'s, with the new tokens. Any key of its tenant that may write."""
+    who.require_write()
+    sb = await live_sandbox(st, who, sandbox_id)
+    sb = await st.store.update_sandbox(sb.id, token_nonce=tokens.fresh_nonce())
+    log.info("e2b.tokens.rotated", sandbox=sb.id, by=who.key_id)
+    return json_body(sandbox_view(st, sb))
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout")

@@ -12,8 +12,6 @@ import base64
 import binascii
 import dataclasses
 import datetime as dt
-import hashlib
-import hmac
 import json
 import re
 from typing import Any, Final
@@ -25,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from space.api.auth import Principal
 from space.api.dataplane import SandboxNode, running_sandbox
 from space.api.state import AppState
+from space.e2b import tokens
 from space.errors import InvalidState, NotFound, SpaceError
 from space.lifecycle import WAKE, State
 from space.store import Sandbox
@@ -38,14 +37,9 @@ NOT_FOUND_MESSAGE: Final = "The sandbox was not found"
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.(.+?)(?::\d+)?$")
 
 
-def envd_token(secret: bytes, sandbox_id: str) -> str:
-    """The sandbox's envd access token: derived, so every API replica can check it without a lookup."""
-    mac = hmac.new(secret, f"e2b-envd:{sandbox_id}".encode(), hashlib.sha256).digest()
-    return "ea_" + base64.urlsafe_b64encode(mac[:24]).decode().rstrip("=")
-
-
-def check_envd_token(secret: bytes, sandbox_id: str, token: str) -> bool:
-    return hmac.compare_digest(envd_token(secret, sandbox_id).encode(), token.encode())
+#: A sandbox in these states is gone for every caller, whatever token it shows (its tokens were
+#: rotated by the delete; the SDK must still learn "not found").
+GONE: Final = (State.TERMINATING, State.TERMINATED)
 
 
 class EdgeError(Exception):
@@ -134,25 +128,44 @@ def route(request: Request) -> Route:
     return r
 
 
-def access_token_ok(st: AppState, request: Request, sandbox_id: str) -> bool:
+def access_token_ok(st: AppState, request: Request, sb: Sandbox) -> bool:
+    """Whether the request carries the sandbox's envd token (``X-Access-Token``)."""
     token = request.headers.get("x-access-token")
-    return token is not None and check_envd_token(st.secret, sandbox_id, token)
+    return token is not None and tokens.check_envd(st.secret, sb, token)
 
 
 async def sandbox_row(st: AppState, sandbox_id: str) -> Sandbox:
+    """The sandbox a request names, unless it is unknown or gone (E2B's 502 "not found"). A read,
+    nothing more: what a request may do to it is decided by its credentials after this."""
     try:
-        return await st.store.get_sandbox(sandbox_id)
+        sb = await st.store.get_sandbox(sandbox_id)
     except NotFound:
         raise EdgeError(sandbox_id) from None
+    if sb.state in GONE:
+        raise EdgeError(sb.id)
+    return sb
 
 
-async def target(st: AppState, request: Request, *, authorized: bool = False) -> Target:
-    """The running sandbox an envd request is for. A missing, ended or paused one (unless it
-    auto-resumes) is E2B's 502 "not found"; a wrong token 401 (signed URLs pass ``authorized``)."""
-    r = route(request)
-    sb = await sandbox_row(st, r.sandbox_id)
-    if not authorized and not access_token_ok(st, request, sb.id):
+async def authenticate(st: AppState, request: Request) -> Sandbox:
+    """The sandbox of an envd request whose ``X-Access-Token`` is its envd token (else 401):
+    before anything else happens for the request, not even reading its body. Once per request."""
+    done = getattr(request.state, "e2b_sandbox", None)
+    if isinstance(done, Sandbox):
+        return done
+    sb = await sandbox_row(st, route(request).sandbox_id)
+    if not access_token_ok(st, request, sb):
         raise Unauthenticated("invalid or missing access token (X-Access-Token)")
+    request.state.e2b_sandbox = sb
+    return sb
+
+
+async def target(st: AppState, request: Request, authenticated: Sandbox | None = None) -> Target:
+    """The running sandbox an envd request is for: what its credentials allow, done. ``authenticated``
+    is the row the caller already checked a credential of (a signed URL, a port's token); without
+    one, the request's envd token is checked first. Only then may a paused sandbox be woken (when it
+    auto-resumes) and the call count as activity. A missing, ended or paused one (unless it
+    auto-resumes) is E2B's 502 "not found"."""
+    sb = authenticated if authenticated is not None else await authenticate(st, request)
     state = State(sb.state)
     if state != State.RUNNING and not (state in WAKE and sb.auto_resume) and state != State.RESTORING:
         raise EdgeError(sb.id)

@@ -19,7 +19,7 @@ from space.api.auditing import AuditMiddleware
 from space.api.state import AppState
 from space.e2b import files, filesystem, process
 from space.e2b.connect import ConnectError
-from space.e2b.edge import EdgeError, Unauthenticated
+from space.e2b.edge import EdgeError, Unauthenticated, authenticate
 from space.errors import SpaceError
 
 log = structlog.get_logger("space.e2b.envd")
@@ -72,6 +72,9 @@ def create_envd_app(state: AppState) -> FastAPI:
 
 def _endpoint(state: AppState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
+        # The sandbox's envd token first: nothing of the request is read, nor anything done for
+        # it, before (the handler's own ``target`` finds it checked).
+        await authenticate(state, request)
         return await handler(state, request)
 
     return endpoint

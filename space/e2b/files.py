@@ -6,8 +6,11 @@ into its multipart parts on the way. Errors are envd's ``{"code": <int>, "messag
 400/401/404/507 to its exceptions), except E2B's edge 502 for a sandbox that is gone.
 
 Auth (``E2B_COMPAT.md`` C.4): ``X-Access-Token``, or a signed URL (``signature`` =
-``v1_`` + base64(sha256(``path:read|write:user:token[:expiration]``)), unpadded). A signed URL made
-with ``E2B_SANDBOX_URL`` carries no sandbox id: the sandbox is the one whose token signed it.
+``v1_`` + base64(sha256(``path:read|write:user:token[:expiration]``)), unpadded), checked before
+anything is done for the request. A signed URL is checked against the one sandbox it names (by
+``E2b-Sandbox-Id``, by host name, or by a ``sandbox_id`` query parameter): one hash. The SDK's
+``download_url()`` made with ``E2B_SANDBOX_URL`` names none, and is refused rather than hashed
+against every live sandbox's token.
 """
 
 from __future__ import annotations
@@ -29,22 +32,26 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from space.api.state import AppState
+from space.e2b import tokens
 from space.e2b.connect import ConnectError
 from space.e2b.edge import (
     ENVD_PORT,
+    EdgeError,
     Route,
     Target,
     access_token_ok,
     edge_error_of,
-    envd_token,
     http_error,
     json_body,
+    route,
     sandbox_row,
     target,
+    timed_out,
 )
 from space.e2b.filesystem import actor, resolve
 from space.errors import InsufficientStorage, InvalidRequest, NotFound, PayloadTooLarge, SpaceError
 from space.lifecycle import State
+from space.store import Sandbox
 
 log = structlog.get_logger("space.e2b.files")
 
@@ -54,8 +61,12 @@ router = APIRouter()
 GUNZIP_STEP: Final = 1 << 20
 #: Chunks queued between the request body and one part's upload to the node.
 PART_QUEUE: Final = 8
-#: Sandboxes a sandbox-less signed URL may be for.
-_SIGNABLE: Final = [State.RUNNING, State.PAUSED, State.SUSPENDING, State.SUSPENDED, State.RESTORING]
+#: A signature's length: ``v1_`` and an unpadded base64 SHA-256. Any other is refused unhashed.
+SIGNATURE_LEN: Final = 3 + 43
+#: Longest path a signed URL may name (Linux's PATH_MAX): bounds what one check hashes.
+MAX_SIGNED_PATH: Final = 4096
+NO_SANDBOX: Final = ("this signed URL names no sandbox: send it with the E2b-Sandbox-Id header, add "
+                     "sandbox_id=<id> to it, or use the 49983-<id>.<domain> host (space serve --e2b-domain)")
 
 
 class Refused(Exception):
@@ -92,42 +103,34 @@ def _signed_params(request: Request) -> tuple[str, str, int | None]:
     return sig, q.get("path", ""), exp
 
 
-def _check_signature(st: AppState, request: Request, sandbox_id: str, operation: str) -> None:
+def _check_signature(st: AppState, request: Request, sb: Sandbox, operation: str) -> None:
+    """A signed URL's signature, made with ``sb``'s envd token: one hash, a constant-time compare."""
     sig, path, exp = _signed_params(request)
     user = request.query_params.get("username", "")
-    expected = signature(path, operation, user, envd_token(st.secret, sandbox_id), exp)
-    if not hmac.compare_digest(expected.encode(), sig.encode()):
+    if len(sig) != SIGNATURE_LEN or len(path) > MAX_SIGNED_PATH or len(user) > 256:
+        raise Refused(401, "invalid signature")
+    expected = signature(path, operation, user, tokens.envd_token(st.secret, sb), exp)
+    if not hmac.compare_digest(expected.encode(), sig.encode("utf-8", "replace")):
         raise Refused(401, "invalid signature")
     if exp is not None and exp < time.time():
         raise Refused(401, "signature is already expired")
 
 
-async def _signed_sandbox(st: AppState, request: Request, operation: str) -> str:
-    """The sandbox whose token signed a URL that names none (found by trying each live one)."""
-    sig, path, exp = _signed_params(request)
-    user = request.query_params.get("username", "")
-    for sb in await st.store.list_sandboxes(states=[s.value for s in _SIGNABLE]):
-        expected = signature(path, operation, user, envd_token(st.secret, sb.id), exp)
-        if hmac.compare_digest(expected.encode(), sig.encode()):
-            if exp is not None and exp < time.time():
-                raise Refused(401, "signature is already expired")
-            return sb.id
-    raise Refused(401, "invalid signature")
-
-
 async def files_target(st: AppState, request: Request, operation: str) -> Target:
-    """The sandbox of a ``/files`` request, its token or signature checked as envd checks them."""
+    """The sandbox of a ``/files`` request, its token or signature checked as envd checks them
+    before anything is done for it."""
     if request.scope.get("e2b") is None:
-        sandbox_id = await _signed_sandbox(st, request, operation)
-        request.scope["e2b"] = Route(sandbox_id, ENVD_PORT)
-        return await target(st, request, authorized=True)
+        named = request.query_params.get("sandbox_id", "").strip()
+        if not named:
+            raise Refused(401, NO_SANDBOX)
+        request.scope["e2b"] = Route(named, ENVD_PORT)
     sb = await sandbox_row(st, request.scope["e2b"].sandbox_id)
     if request.headers.get("x-access-token"):
-        if not access_token_ok(st, request, sb.id):
+        if not access_token_ok(st, request, sb):
             raise Refused(401, "access token present in header but does not match")
     else:
-        _check_signature(st, request, sb.id, operation)
-    return await target(st, request, authorized=True)
+        _check_signature(st, request, sb, operation)
+    return await target(st, request, authenticated=sb)
 
 
 def _user(request: Request, t: Target) -> str | None:
@@ -162,9 +165,17 @@ def _refusal(t: Target, exc: SpaceError, path: str) -> Exception:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """204 when the sandbox runs, E2B's 502 "not found" when not. Only a request with its envd token
+    (the SDK sends it) may wake an auto-resuming one; without, the answer is what its row says,
+    and nothing is done to it (no wake, no activity)."""
     st: AppState = request.app.state.space
+    sb = await sandbox_row(st, route(request).sandbox_id)
+    if not access_token_ok(st, request, sb):
+        if sb.state != State.RUNNING or timed_out(sb):
+            raise EdgeError(sb.id)
+        return Response(status_code=204)
     try:
-        await target(st, request, authorized=True)
+        await target(st, request, authenticated=sb)
     except SpaceError as exc:  # could not wake it, say: reachable it is not
         return http_error(502, exc.message)
     return Response(status_code=204)

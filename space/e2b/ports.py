@@ -3,7 +3,10 @@
 E2B serves a sandbox's ports publicly unless the sandbox was created with
 ``network.allowPublicTraffic: false``; then requests need its traffic token
 (``E2B-Traffic-Access-Token``). SPACE keeps that choice per sandbox (``public_ports``) and also takes
-the envd access token (``X-Access-Token``), which the code-interpreter SDK sends. The facade's own
+the envd access token (``X-Access-Token``), which the code-interpreter SDK sends. The token is
+checked before anything is done for the request: a private sandbox is woken, and its idle timer
+refreshed, only for a request that carries one of its tokens. A public port is open to anyone by
+its owner's choice, so such a request may wake an auto-resuming sandbox, as on E2B. The facade's own
 headers and tokens are not passed on to the server in the sandbox.
 """
 
@@ -17,20 +20,24 @@ from starlette.responses import Response
 
 from space.api.ports import proxy_to_port
 from space.api.state import AppState
-from space.e2b.edge import EdgeError, check_envd_token, http_error, route, target
+from space.e2b import tokens
+from space.e2b.edge import EdgeError, http_error, route, sandbox_row, target
 from space.errors import SpaceError
 from space.node.port_proxy import METHODS
+from space.store import Sandbox
 
 #: Headers that are the facade's business, not the sandbox server's.
 FACADE_HEADERS: Final = ("e2b-sandbox-id", "e2b-sandbox-port", "x-access-token", "e2b-traffic-access-token")
 
 
-def _token_ok(st: AppState, request: Request, sandbox_id: str) -> bool:
-    for name in ("e2b-traffic-access-token", "x-access-token"):
-        token = request.headers.get(name)
-        if token is not None and check_envd_token(st.secret, sandbox_id, token):
-            return True
-    return False
+def port_token_ok(st: AppState, request: Request, sb: Sandbox) -> bool:
+    """Its traffic token as ``E2B-Traffic-Access-Token``, or its envd token (which allows more) as
+    ``X-Access-Token``."""
+    traffic = request.headers.get("e2b-traffic-access-token")
+    if traffic is not None and tokens.check_traffic(st.secret, sb, traffic):
+        return True
+    envd = request.headers.get("x-access-token")
+    return envd is not None and tokens.check_envd(st.secret, sb, envd)
 
 
 def create_ports_app(state: AppState) -> FastAPI:
@@ -50,10 +57,12 @@ def create_ports_app(state: AppState) -> FastAPI:
 
     async def proxy(request: Request) -> Response:
         r = route(request)
-        t = await target(state, request, authorized=True)
-        if not t.sandbox.public_ports and not _token_ok(state, request, t.sandbox.id):
+        sb = await sandbox_row(state, r.sandbox_id)
+        if not sb.public_ports and not port_token_ok(state, request, sb):
             return http_error(401, "this sandbox's ports need its access token (E2B-Traffic-Access-Token "
                                    "or X-Access-Token)")
+        # Its token checked, or its ports public (open to anyone, by its owner's choice).
+        t = await target(state, request, authenticated=sb)
         try:
             return await proxy_to_port(state, t.sandbox, t.node, r.port, request.scope["path"], request,
                                        drop=FACADE_HEADERS)

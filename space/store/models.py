@@ -208,6 +208,10 @@ class Sandbox(Base):
     egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Names of the secrets bound to it, resolved by scope when it is placed on a node.
     secrets: Mapped[list[str]] = mapped_column(JSON, default=list)
+    #: What its E2B access tokens are made with (``space.e2b.tokens``): random, set when the row is
+    #: made and replaced by a rotation and by its delete, so a token never outlives either, nor
+    #: passes for another row with the same id.
+    token_nonce: Mapped[str | None] = mapped_column(String(64))
 
 
 # A tenant's live sandboxes (quota usage, listings) without a scan of its whole history.

@@ -70,7 +70,7 @@ SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
      "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
-     "source_snapshot", "snapshot_id", "egress", "secrets"}
+     "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce"}
 )
 
 #: Snapshot columns ``update_snapshot`` may change (identity, owner and origin are fixed).
@@ -489,6 +489,9 @@ class Store:
             sb.state = new
             sb.generation += 1
             sb.updated_at = now
+            if new in _GONE and current not in _GONE:
+                # Whatever deletes it: its E2B tokens (and URLs signed with them) die with it.
+                sb.token_nonce = ids.token_nonce()
             if new == State.TERMINATED and sb.terminated_at is None:
                 sb.terminated_at = now
             return sb
@@ -1219,6 +1222,10 @@ class Store:
 
 
 
+#: States of a sandbox that is being or has been deleted.
+_GONE = frozenset({State.TERMINATING, State.TERMINATED})
+
+
 def _states(expect: State | str | Sequence[State | str]) -> frozenset[State]:
     if isinstance(expect, str):  # a State is a str too
         return frozenset({State(expect)})
@@ -1267,6 +1274,8 @@ def _snapshots_named(request: dict[str, Any] | None) -> set[str]:
 
 def _prepare_sandbox(sb: Sandbox, now: dt.datetime) -> None:
     sb.state = State(sb.state or State.CREATING)
+    # Always its own: a row never inherits tokens (a fork's copy, an id seen before).
+    sb.token_nonce = ids.token_nonce()
     sb.env = dict(sb.env or {})
     sb.meta = dict(sb.meta or {})
     sb.snapshot_policy = dict(sb.snapshot_policy or {})

@@ -7,11 +7,12 @@ import signal
 
 import pytest
 
-from space.e2b import connect
+from space.e2b import connect, tokens
 from space.e2b.connect import ConnectError, EnvelopeReader, end_of_stream, envelope
 from space.e2b.control import E2BError, Network, egress_of
-from space.e2b.edge import ENVD_PORT, Route, check_envd_token, envd_token, route_of
+from space.e2b.edge import ENVD_PORT, Route, route_of
 from space.e2b.process import end_event
+from tests.store.storekit import new_sandbox
 
 
 def _scope(**headers: str) -> dict[str, object]:
@@ -85,11 +86,15 @@ def test_routing_by_header_and_host() -> None:
     assert route_of(both, "sandbox.example.com") == Route("sabc", ENVD_PORT)
 
 
-def test_envd_tokens_are_per_sandbox_and_per_secret() -> None:
-    t = envd_token(b"k1", "sabc")
-    assert check_envd_token(b"k1", "sabc", t)
-    assert not check_envd_token(b"k1", "sabd", t)
-    assert not check_envd_token(b"k2", "sabc", t)
+def test_envd_tokens_are_per_sandbox_row_and_per_secret() -> None:
+    sb = new_sandbox(id="sabc", token_nonce=tokens.fresh_nonce())
+    t = tokens.envd_token(b"k1", sb)
+    assert tokens.check_envd(b"k1", sb, t)
+    assert not tokens.check_envd(b"k1", new_sandbox(id="sabd", token_nonce=sb.token_nonce), t)
+    assert not tokens.check_envd(b"k1", new_sandbox(id="sabc", token_nonce=tokens.fresh_nonce()), t)
+    assert not tokens.check_envd(b"k2", sb, t)
+    # A row without a nonce has no valid token at all.
+    assert not tokens.check_envd(b"k1", new_sandbox(id="sabc"), t)
 
 
 def test_exit_statuses_read_like_go() -> None:

@@ -332,24 +332,33 @@ def test_rename(sbx: Sandbox) -> None:
 def test_signed_urls(sbx: Sandbox) -> None:
     name = fresh("signed") + ".txt"
     sbx.files.write(name, "This file will be watched.")
+    # With E2B_SANDBOX_URL the SDK's URL names no sandbox: the link names it with sandbox_id (a
+    # signature is checked against the one sandbox named, never searched for among all of them).
+    sid = f"&sandbox_id={sbx.sandbox_id}"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(sbx.download_url(name))
+    assert err.value.code == 401 and "names no sandbox" in json.loads(err.value.read().decode())["message"]
     for url in (sbx.download_url(name, "user"), sbx.download_url(name, "user", 120), sbx.download_url(name)):
-        with urllib.request.urlopen(url) as resp:  # no headers at all: the signature is the key
+        with urllib.request.urlopen(url + sid) as resp:  # no headers at all: the signature is the key
             assert resp.status == 200 and resp.read().decode() == "This file will be watched."
     with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(sbx.download_url(name, "user", use_signature_expiration=-120))
+        urllib.request.urlopen(sbx.download_url(name, "user", use_signature_expiration=-120) + sid)
     assert err.value.code == 401
     assert json.loads(err.value.read().decode()) == {"code": 401, "message": "signature is already expired"}
     tampered = sbx.download_url(name, "user").replace("username=user", "username=root")
     with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(tampered)
+        urllib.request.urlopen(tampered + sid)
     assert err.value.code == 401
     up = sbx.upload_url(f"up_{name}", "user")
-    r = httpx.post(up, files={"file": (f"up_{name}", b"uploaded through a signed URL")})
+    r = httpx.post(up + sid, files={"file": (f"up_{name}", b"uploaded through a signed URL")})
     assert r.status_code == 200 and r.json()[0]["path"] == f"{HOME}/up_{name}"
     assert sbx.files.read(f"up_{name}") == "uploaded through a signed URL"
     with pytest.raises(urllib.error.HTTPError) as err:  # a read signature does not write
-        urllib.request.urlopen(urllib.request.Request(sbx.download_url(name), data=b"x", method="POST"))
+        urllib.request.urlopen(urllib.request.Request(sbx.download_url(name) + sid, data=b"x", method="POST"))
     assert err.value.code == 401
+    # The SDK's own header names the sandbox just as well.
+    r = httpx.get(sbx.download_url(name), headers={"E2b-Sandbox-Id": sbx.sandbox_id})
+    assert r.status_code == 200 and r.text == "This file will be watched."
 
 
 def test_files_need_a_token_or_signature(sbx: Sandbox, server: Server) -> None:
