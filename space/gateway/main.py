@@ -2,7 +2,7 @@
 
     python -m space.gateway --proxy 10.201.0.1:3128 [--transparent 10.201.0.1:3129]
         --dns 10.201.0.1:3053 --control /run/space/gateway.sock [--control-fd N | --control-group GID]
-        --confdir DIR --journal DIR [--upstream-dns IP] [--hosts-file FILE] [--upstream-ca FILE]
+        --confdir DIR --journal DIR [--upstream-dns IP[:PORT]] [--hosts-file FILE] [--upstream-ca FILE]
 
 It runs in its own venv (``make gateway``: mitmproxy pins versions the main venv cannot share), as
 its own unprivileged user when the node agent starts it (:mod:`space.node.gateway`): nothing here
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--control-group", type=int, help="group of the control socket bound here (default: ours)")
     ap.add_argument("--confdir", required=True, help="where the CA lives (mitmproxy's confdir)")
     ap.add_argument("--journal", required=True, help="audit journal directory")
-    ap.add_argument("--upstream-dns", help="resolver to ask (default: the system's)")
+    ap.add_argument("--upstream-dns", help="resolver to ask, IP[:PORT] (default: the system's)")
     ap.add_argument("--hosts-file", help="TEST ONLY: JSON {name: ip}; nothing else resolves")
     ap.add_argument("--upstream-ca", help="TEST ONLY: PEM of the CAs upstream servers are verified against")
     ap.add_argument("--test-allow-loopback", action="store_true",

@@ -34,7 +34,8 @@ def _process(ctx: HelperContext) -> GatewayProcess:
     proxy, transparent, dns = ctx.gateway_ports
     return GatewayProcess(ctx.data_dir / "gateway", cfg.control, address=address,
                           proxy_port=proxy, transparent_port=transparent, dns_port=dns, ca_dir=cfg.ca_dir,
-                          hosts_file=cfg.hosts_file, upstream_ca=cfg.upstream_ca, user=cfg.user,
+                          hosts_file=cfg.hosts_file, upstream_ca=cfg.upstream_ca, upstream_dns=cfg.upstream_dns,
+                          user=cfg.user,
                           control_group=cfg.control_group)
 
 
