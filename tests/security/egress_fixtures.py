@@ -195,7 +195,7 @@ META_V4, META_V6 = "169.254.169.254", "fd00:ec2::254"
 UPSTREAM_V4 = "198.51.100.7"
 
 _STAND_IN = r"""
-import json, socket, sys, threading
+import json, socket, socketserver, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 hits = sys.argv[1]
 lock = threading.Lock()
@@ -207,10 +207,13 @@ class H(BaseHTTPRequestHandler):
         body = b"metadata-stand-in"
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
-class V6(ThreadingHTTPServer):
+class V4(ThreadingHTTPServer):
+    def server_bind(self):  # HTTPServer's would look the address up in DNS (there is none here)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "stand-in", self.server_address[1]
+class V6(V4):
     address_family = socket.AF_INET6
-servers = [ThreadingHTTPServer(("169.254.169.254", 80), H), V6(("fd00:ec2::254", 80), H),
-           ThreadingHTTPServer(("198.51.100.7", 80), H)]
+servers = [V4(("169.254.169.254", 80), H), V6(("fd00:ec2::254", 80), H), V4(("198.51.100.7", 80), H)]
 for s in servers:
     s.daemon_threads = True
     threading.Thread(target=s.serve_forever, daemon=True).start()
