@@ -18,7 +18,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.rdatatype
 
-from space.gateway.policy import IPAddress
+from space.egress_policy import IPAddress
 
 MAX_TTL = 30.0  # seconds an upstream answer is reused
 NEGATIVE_TTL = 5.0

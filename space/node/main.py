@@ -88,6 +88,9 @@ class NodeSettings:
     #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.
     gateway_hosts_file: Path | None = dataclasses.field(
         default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_HOSTS_FILE")) else None)
+    #: The private ranges (CIDRs) egress policies may open on this node: the deployment's ceiling
+    #: (a tenant's, set by the operator, only narrows it). Empty: none.
+    egress_ceiling: tuple[str, ...] = ()
     #: The resolver the gateway asks for names (``IP[:PORT]``, ``$SPACE_GATEWAY_UPSTREAM_DNS``);
     #: default: the system's.
     gateway_upstream_dns: str | None = dataclasses.field(
@@ -247,7 +250,8 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                                 ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
                                 control_group=agent.gid if agent is not None else None,
                                 hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca,
-                                upstream_dns=settings.gateway_upstream_dns)
+                                upstream_dns=settings.gateway_upstream_dns,
+                                private_ceiling=settings.egress_ceiling)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
                          guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None)

@@ -327,8 +327,9 @@ def test_metadata_unreachable(request: pytest.FixtureRequest, api: httpx.Client,
     tries = [{"host": host, "port": 80, "via": v, "dial": stand_in.link} for v in ("proxy", "connect", "host")]
     if host == META_V4:
         tries.append({"host": host, "port": 80, "via": "direct", "dial": stand_in.link})
+    before = len(stand_in.hits(META_V4)) + len(stand_in.hits(META_V6))
     results = attempt(api, sid, tries)
-    assert stand_in.hits(META_V4) == [] and stand_in.hits(META_V6) == [], (stand_in.hits(), results)
+    assert len(stand_in.hits(META_V4)) + len(stand_in.hits(META_V6)) == before, (stand_in.hits(), results)
     assert reached(results, "metadata-stand-in") == [], results
     assert all(denied_by_gateway(r) for r in results), results
 
