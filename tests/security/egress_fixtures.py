@@ -47,10 +47,12 @@ def _qname(msg: bytes) -> tuple[str, int, int]:
 
 
 class CountingDns:
-    """Answers ``names`` (A records) and NXDOMAIN for the rest; ``asked`` lists every question."""
+    """Answers ``names`` (A records) and NXDOMAIN for the rest; ``asked`` lists every question.
+    ``silent``: records and never answers (a slow upstream: every lookup stays in flight)."""
 
-    def __init__(self, names: dict[str, str]) -> None:
+    def __init__(self, names: dict[str, str], *, silent: bool = False) -> None:
         self.names = {k.lower(): v for k, v in names.items()}
+        self.silent = silent
         self.asked: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -88,7 +90,9 @@ class CountingDns:
         while not self._stop:
             try:
                 msg, peer = self.udp.recvfrom(4096)
-                self.udp.sendto(self.answer(msg), peer)
+                out = self.answer(msg)
+                if not self.silent:
+                    self.udp.sendto(out, peer)
             except (OSError, IndexError, struct.error):
                 if self._stop:
                     return

@@ -334,13 +334,16 @@ def test_metadata_unreachable(request: pytest.FixtureRequest, api: httpx.Client,
     assert all(denied_by_gateway(r) for r in results), results
 
 
-def test_the_stand_in_is_reachable_where_allowed(api: httpx.Client, sb_open: str, stand_in: StandIn) -> None:
-    """The control: the same paths reach an allowed upstream in the same namespace."""
-    before = len(stand_in.hits(UPSTREAM_V4))
-    results = attempt(api, sb_open, [{"host": "api.test", "port": 80, "via": "proxy", "dial": stand_in.link},
-                                     {"host": UPSTREAM_V4, "port": 80, "via": "direct", "dial": stand_in.link}])
-    assert len(reached(results, "metadata-stand-in")) == 2, results
-    assert len(stand_in.hits(UPSTREAM_V4)) == before + 2
+def test_the_stand_in_is_reachable_where_allowed(api: httpx.Client, stand_in: StandIn) -> None:
+    """The control: the same paths reach an allowed upstream in the same namespace (by a name a host
+    rule allows, and by an address an allowed CIDR covers)."""
+    for sid in sandbox_with(api, {"allow": ["api.test", "0.0.0.0/0"]}):
+        before = len(stand_in.hits(UPSTREAM_V4))
+        results = attempt(api, sid, [{"host": "api.test", "port": 80, "via": v, "dial": stand_in.link}
+                                     for v in ("proxy", "host")]
+                          + [{"host": UPSTREAM_V4, "port": 80, "via": "direct", "dial": stand_in.link}])
+        assert len(reached(results, "metadata-stand-in")) == 3, results
+        assert len(stand_in.hits(UPSTREAM_V4)) == before + 3
 
 
 # ---- DNS exfiltration ------------------------------------------------------------------------------
