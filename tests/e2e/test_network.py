@@ -43,7 +43,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetLab]:
 @pytest.fixture(scope="module")
 def srv(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {"SPACE_GATEWAY_HOSTS_FILE": str(lab.hosts_file), "SPACE_GATEWAY_UPSTREAM_CA": str(lab.upstream_ca)}
-    with own_server(tmp_path_factory.mktemp("netsrv"), env=env) as s:
+    # The lab is a private range: the operator opens it (the deployment's egress ceiling).
+    with own_server(tmp_path_factory.mktemp("netsrv"), "--egress-private", "10.250.0.0/16", env=env) as s:
         yield s
 
 
