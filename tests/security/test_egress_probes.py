@@ -120,9 +120,13 @@ def api(srv: Server) -> Iterator[httpx.Client]:
         yield c
 
 
+OTHER = f"victim-{secrets.token_hex(3)}"
+
+
 @pytest.fixture(scope="module")
 def other_tenant(srv: Server, api: httpx.Client) -> Iterator[httpx.Client]:
-    r = api.post("/v1/apikeys", json={"tenant": f"victim-{secrets.token_hex(3)}", "role": "admin"})
+    """An admin key of another tenant (``OTHER``)."""
+    r = api.post("/v1/apikeys", json={"tenant": OTHER, "role": "admin"})
     assert r.status_code == 201, r.text
     with srv.client(r.json()["key"], timeout=120) as c:
         yield c
@@ -385,3 +389,38 @@ def test_denied_names_never_reach_upstream_dns(api: httpx.Client, dns: CountingD
         assert UPSTREAM_V4 in out, out  # the allowed name still resolves
     finally:
         api.delete(f"/v1/sandboxes/{sid}")
+
+
+# ---- private ranges are the operator's -------------------------------------------------------------
+
+
+def test_private_ranges_are_the_operators_to_open(api: httpx.Client, other_tenant: httpx.Client) -> None:
+    """Not a probe (no sandbox attacks): the API side of the ceiling on a deployment that opens none."""
+    ceiling = f"/v1/tenants/{OTHER}/egress-ceiling"
+    r = other_tenant.put(ceiling, json={"private": ["10.5.0.0/16"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+    r = api.put(ceiling, json={"private": ["10.5.0.0/16"]})  # the operator, beyond the deployment's (none)
+    assert r.status_code == 400 and "outside the deployment's egress ceiling" in r.json()["error"]["message"]
+    assert api.put(ceiling, json={"private": ["127.0.0.0/8"]}).status_code == 400  # never a ceiling
+    assert other_tenant.get(ceiling).json() == {"tenant": OTHER, "private": None, "effective": [], "deployment": []}
+    # A tenant's CIDR reaching outside its ceiling: refused, naming the entry and the ceiling.
+    for where, call in (("sandbox", lambda doc: other_tenant.post("/v1/sandboxes", json={"template": "base",
+                                                                                        "egress": doc})),
+                        ("tenant default", lambda doc: other_tenant.put(f"/v1/tenants/{OTHER}/egress", json=doc))):
+        for rule in ("10.5.0.0/16", "192.168.1.0/24", "fd00::/8", "10.208.0.0/12", "169.254.169.254/32"):
+            r = call({"allow": [rule]})
+            assert r.status_code == 400, (where, rule, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_request" and err["rule"] == rule and err["ceiling"] == [], err
+            assert rule in err["message"]
+    # Broad public CIDRs are accepted, and the view says what they do not open.
+    sid = create_sandbox(other_tenant, egress=OPEN)
+    try:
+        view = other_tenant.get(f"/v1/sandboxes/{sid}/policy").json()
+        assert view["effective"] == OPEN and view["limits"]["private_ceiling"] == []
+        assert len(view["limits"]["clipped"]) == 2 and "stay closed" in view["limits"]["clipped"][0]
+        assert "127.0.0.0/8 (loopback)" in view["limits"]["never"]
+    finally:
+        other_tenant.delete(f"/v1/sandboxes/{sid}")
+    recs = api.get("/v1/audit", params={"action": "egress.ceiling_set", "limit": 100}).json()["records"]
+    assert {(x["tenant"], x["result"]) for x in recs} >= {(OTHER, "forbidden"), ("default", "invalid_request")}, recs
