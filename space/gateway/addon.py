@@ -11,6 +11,10 @@ Where a decision is made:
 - every upstream connection (``server_connect``): it goes to the address that was checked (never a
   second resolution); a connection nothing checked yet is checked there.
 
+Every decision is :class:`space.egress_policy.Egress`'s: a host that is an address in any spelling
+is decided as that address, and a name the policy settles by itself (a deny rule, an allowlist
+without it) is denied before any lookup, so nothing about it reaches upstream DNS.
+
 TLS is intercepted only for a tunnel whose host one of the sandbox's secrets names; everything
 else passes through untouched. A secret goes only to the tunnel's host (a request naming another
 host inside the tunnel gets 421) and only over TLS verified for that host.
