@@ -124,10 +124,16 @@ def test_allowed_host_reachable_denied_ones_fail_fast_and_are_never_reached(
         code, body = curl(api, sandbox, url)
         assert code == "403" and "SPACE egress policy denied" in body, (url, code, body)
     # A name of the metadata host does not even resolve; dialled by address under that name, the
-    # gateway's own resolution decides (and denies).
+    # gateway decides on the name: not on the allow list, denied before any lookup...
     assert curl(api, sandbox, "http://metadata.test/")[0] == "000"
     code, body = curl(api, sandbox, "http://metadata.test/", "--resolve", f"metadata.test:80:{API}")
+    assert code == "403" and "not on the allow list" in body, body
+    # ...and where a policy allows the name, the gateway's own resolution decides (and denies).
+    r = api.put(f"/v1/sandboxes/{sandbox}/policy", json={"allow": [*ALLOW_API["allow"], "metadata.test"]})
+    assert r.status_code == 200, r.text
+    code, body = curl(api, sandbox, "http://metadata.test/", "--resolve", f"metadata.test:80:{API}")
     assert code == "403" and "blocked range" in body, body
+    assert api.put(f"/v1/sandboxes/{sandbox}/policy", json=ALLOW_API).status_code == 200
     # TLS to a denied address: the connection is refused, no handshake with anything.
     code, _ = curl(api, sandbox, f"https://{META}/")
     assert code == "000"
