@@ -420,7 +420,8 @@ def test_the_operators_ceiling_bounds_private_ranges_at_once(api: httpx.Client, 
         assert r.status_code == 200, r.text
         assert r.json() == {"tenant": "default", "private": ["10.250.9.0/24"], "effective": ["10.250.9.0/24"],
                             "deployment": ["10.250.0.0/16"]}
-        code, body = curl(api, sid, "http://api.test/after-narrowing")
+        assert curl(api, sid, "http://api.test/after-narrowing")[0] == "000"  # DNS answers no address
+        code, body = curl(api, sid, "http://api.test/after-narrowing", "--resolve", f"api.test:80:{API}")
         assert code == "403" and "outside the operator's ceiling" in body, body
         view = api.get(f"/v1/sandboxes/{sid}/policy").json()
         assert view["policy"] == ALLOW_API and view["limits"]["private_ceiling"] == ["10.250.9.0/24"]

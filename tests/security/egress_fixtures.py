@@ -136,12 +136,18 @@ class NodeListener:
     answered with a small HTTP 200 whose body is ``node-listener``."""
 
     def __init__(self) -> None:
-        self.v6 = socket.socket(socket.AF_INET6)
-        self.v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        self.v6.bind(("::", 0))
-        self.port = int(self.v6.getsockname()[1])
-        self.v4 = socket.socket()
-        self.v4.bind(("0.0.0.0", self.port))
+        while True:  # one port free on both families
+            self.v6 = socket.socket(socket.AF_INET6)
+            self.v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            self.v6.bind(("::", 0))
+            self.port = int(self.v6.getsockname()[1])
+            self.v4 = socket.socket()
+            try:
+                self.v4.bind(("0.0.0.0", self.port))
+                break
+            except OSError:
+                self.v4.close()
+                self.v6.close()
         self.hits: list[tuple[str, str]] = []  # (peer, local address)
         self._lock = threading.Lock()
         for s in (self.v4, self.v6):
