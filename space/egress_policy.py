@@ -391,11 +391,8 @@ class Policy:
         return None
 
     def decide(self, host: str, port: int, ips: Sequence[IPAddress], by_name: bool) -> Decision:
-        """This layer's verdict on a connection to ``host`` at ``ips`` (no ranges considered)."""
-        if by_name:
-            denied = self.name_denial(host, port)
-            if denied is not None:
-                return denied
+        """This layer's verdict on a connection to ``host`` at ``ips``, once :meth:`name_denial` found
+        nothing against the name (no ranges considered: :class:`Egress` checks those)."""
         for ip in ips:
             for rule in self.deny:
                 if rule.matches_ip(ip, port):
@@ -522,6 +519,7 @@ class Egress:
             blocked = self._range_denial(host, ip, port)
             if blocked is not None:
                 return blocked
+        # Names were settled above (_name_denial): each layer now judges the addresses and rules.
         verdict: Decision | None = None
         for layer in self.layers:
             d = layer.decide(host, port, addrs, by_name)
