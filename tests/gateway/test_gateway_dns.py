@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.harness import SB1, SB2, Gateway, UpstreamPKI, dns_query, free_port
+from tests.gateway.harness import SB1, SB2, Gateway, UpstreamPKI, dns_query
 from tests.security.egress_fixtures import CountingDns
 from tests.waiting import wait_for
 
@@ -157,7 +157,3 @@ def _open(gw: Gateway, held: list[socket.socket]) -> bool:
             return False
         s.recv(4096)
     return True
-
-
-def test_free_port_helper_is_importable() -> None:
-    assert free_port() > 0
