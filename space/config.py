@@ -30,6 +30,10 @@ class ServeSettings:
     warm_pool: int = 2
     #: Sandboxes isolated in their own network namespaces behind the node's egress gateway.
     network: bool = True
+    #: The deployment's egress ceiling: the private ranges (CIDRs) sandbox egress policies may open
+    #: at all (the operator narrows it per tenant). Empty: none. Loopback, link-local, metadata, the
+    #: node and its sandboxes are never reachable (space.egress_policy).
+    egress_ceiling: tuple[str, ...] = ()
     #: Operation lease: how long a crashed controller's claim blocks a retry.
     lease_seconds: float = 10.0
     #: The tenant whose admin keys manage every tenant (keys, quotas, audit); the bootstrap admin

@@ -27,6 +27,7 @@ from space.api.templates import queue_build
 from space.config import ServeSettings
 from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager, build_manager
+from space.egress_policy import parse_ceiling
 from space.errors import NotFound, SpaceError, Unavailable
 from space.node.client import NodeClient
 from space.node.main import channel_dir_for
@@ -79,6 +80,8 @@ class NodeProcess:
             "--egress-ca-dir", str(s.data_dir / "egress-ca"),
             "--network" if s.network else "--no-network",
         ]
+        for net in s.egress_ceiling:
+            argv += ["--egress-private", net]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
         # The argv goes on stdin, not the command line: only the node agent itself is "node run".
@@ -228,6 +231,7 @@ async def serve(settings: ServeSettings) -> None:
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes, credentials=credentials,
                          operator_tenant=settings.operator_tenant,
+                         egress_ceiling=parse_ceiling(settings.egress_ceiling),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None)
         await bootstrap_templates(state, settings.bootstrap_templates)
         await seed_warm_pool(state, serve_state.control_dir(settings), settings.warm_pool)

@@ -75,6 +75,7 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/pools/{template}"): "pool.delete",
     ("PUT", "/v1/tenants/{tenant}/quota"): "quota.set",
     ("PUT", "/v1/tenants/{tenant}/egress"): "egress.set",
+    ("PUT", "/v1/tenants/{tenant}/egress-ceiling"): "egress.ceiling_set",
     ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}"): "port.request",
     ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
     ("PUT", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",

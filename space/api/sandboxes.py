@@ -17,11 +17,11 @@ from pydantic import BaseModel, Field
 from space import failpoints, ids
 from space.api import views
 from space.api.auth import Principal, principal
+from space.api.egress import checked_policy
 from space.api.state import AppState, app_state
 from space.controller import placement
 from space.controller.egress import egress_config
 from space.errors import Conflict, InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
-from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State, allowed_actions, require
 from space.node.client import NodeClient
 from space.retention import SnapshotPolicy
@@ -89,7 +89,7 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
     if len(body.env) > MAX_ENV or len(body.metadata) > MAX_ENV:
         raise InvalidRequest(f"at most {MAX_ENV} env vars and metadata entries")
     policy = SnapshotPolicy.from_dict(body.snapshot_policy).to_dict() if body.snapshot_policy else {}
-    egress_policy = egress_rules.validate(body.egress)
+    egress_policy = await checked_policy(st, who.tenant, body.egress)
     bound = list(dict.fromkeys(body.secrets))
     if bound:
         if st.credentials is None:

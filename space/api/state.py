@@ -11,6 +11,7 @@ from space.api.auth import KeyCache
 from space.api.quota_cache import QuotaCache
 from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager
+from space.egress_policy import IPNetwork
 from space.store import Store
 
 
@@ -29,6 +30,8 @@ class AppState:
     quotas: QuotaCache = dataclasses.field(default_factory=QuotaCache)
     #: Secrets (space.credentials); None where no master key is configured (/v1/secrets answers 503).
     credentials: CredentialManager | None = None
+    #: The deployment's egress ceiling (ServeSettings.egress_ceiling): what a tenant's ceiling narrows.
+    egress_ceiling: tuple[IPNetwork, ...] = ()
     #: E2B's host form ``<port>-<sandbox id>.<domain>`` is routed to sandboxes when set.
     e2b_domain: str | None = None
     #: Where the audit middleware's records go (space.api.auditing); closed by the server on exit.

@@ -1,24 +1,30 @@
-"""/v1/quota and /v1/tenants/{tenant}/{quota,egress}: a tenant's limits, usage and egress default.
+"""/v1/quota and /v1/tenants/{tenant}/{quota,egress,egress-ceiling}: a tenant's limits, usage,
+egress default and egress ceiling.
 
 Who may do what (see docs/api.md, "Tenants, quotas and audit"): any key reads its own tenant's
-quota and egress default; only the operator (an admin key of the operator tenant) sets quotas or
-reads another tenant's; the egress default is set by the operator or the tenant's own admin.
+quota, egress default and ceiling; only the operator (an admin key of the operator tenant) sets
+quotas and ceilings or reads another tenant's; the egress default is set by the operator or the
+tenant's own admin, inside the tenant's ceiling.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
+import structlog
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from space import egress_policy
 from space.api.auth import Principal, principal
+from space.api.egress import ON_NODE, ceiling_for, checked_policy, push
 from space.api.state import AppState, app_state
 from space.controller.egress import forget_tenant_default
-from space.errors import Forbidden
-from space.gateway import policy
+from space.errors import Forbidden, InvalidRequest, SpaceError
 from space.store.models import TenantQuota
 from space.store.quotas import limits_of
+
+log = structlog.get_logger("space.api.tenants")
 
 router = APIRouter(prefix="/v1")
 
@@ -84,6 +90,59 @@ async def put_egress(tenant: Tenant, who: Auth, st: St,
                      doc: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     """Replace the tenant's default egress policy (``{}`` removes it)."""
     who.require_manage(tenant)
-    row = await st.store.set_tenant_egress(tenant, policy.validate(doc))
+    row = await st.store.set_tenant_egress(tenant, await checked_policy(st, tenant, doc))
     forget_tenant_default(tenant)  # this replica's next placement uses it at once
+    await push_tenant(st, tenant)
     return {"tenant": tenant, "egress": row.egress or {}}
+
+
+async def push_tenant(st: AppState, tenant: str) -> None:
+    """The tenant's sandboxes on nodes get their egress again: a narrowed default or ceiling bites
+    at their next connection (a node that fails to hear it keeps the old one until the next push)."""
+    for sb in await st.store.list_sandboxes(tenant=tenant, states=[s.value for s in ON_NODE]):
+        try:
+            await push(st, sb, with_secrets=False)
+        except SpaceError as exc:
+            log.warning("egress.push_failed", sandbox=sb.id, tenant=tenant, error=str(exc))
+
+
+class CeilingBody(BaseModel):
+    """The private ranges (CIDRs) the tenant's policies may open, inside the deployment's;
+    ``null``: the deployment's ceiling, ``[]``: none."""
+
+    model_config = ConfigDict(extra="forbid")
+    private: list[str] | None = Field(..., max_length=egress_policy.MAX_ENTRIES)
+
+
+def ceiling_view(st: AppState, tenant: str, row: TenantQuota | None) -> dict[str, Any]:
+    own = row.egress_ceiling if row is not None else None
+    return {"tenant": tenant, "private": own, "effective": [str(n) for n in ceiling_for(st, own)],
+            "deployment": [str(n) for n in st.egress_ceiling]}
+
+
+@router.get("/tenants/{tenant}/egress-ceiling")
+async def get_ceiling(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
+    _require_read(who, tenant)
+    return ceiling_view(st, tenant, await st.store.get_quota(tenant))
+
+
+@router.put("/tenants/{tenant}/egress-ceiling")
+async def put_ceiling(tenant: Tenant, body: CeilingBody, who: Auth, st: St) -> dict[str, Any]:
+    """The operator opens private ranges to a tenant (never wider than the deployment's). Policies
+    that reach outside a narrowed ceiling keep their entries (the policy view lists them under
+    ``limits.clipped``); the gateways stop honouring what the ceiling no longer covers at once."""
+    who.require_operator()
+    nets: list[str] | None = None
+    if body.private is not None:
+        parsed = egress_policy.parse_ceiling(body.private)
+        for net in parsed:
+            if not any(net.version == d.version and net.subnet_of(d) for d in st.egress_ceiling):  # type: ignore[arg-type]
+                raise InvalidRequest(
+                    f"{net} is outside the deployment's egress ceiling "
+                    f"({egress_policy.ceiling_text(st.egress_ceiling)}; space serve --egress-private)",
+                    entry=str(net), ceiling=[str(d) for d in st.egress_ceiling])
+        nets = [str(n) for n in parsed]
+    row = await st.store.set_tenant_ceiling(tenant, nets)
+    forget_tenant_default(tenant)
+    await push_tenant(st, tenant)
+    return ceiling_view(st, tenant, row)

@@ -20,9 +20,17 @@ def _show(view: dict[str, object], as_json: bool) -> None:
     assert isinstance(eff, dict)
     source = "tenant default" if view.get("inherited") else "its own"
     output.line(f"sandbox {view.get('sandbox_id')} ({source} policy)")
-    output.line(f"  allow:   {', '.join(eff.get('allow', [])) or '-'}")
-    output.line(f"  deny:    {', '.join(eff.get('deny', [])) or '-'}")
-    output.line(f"  default: {eff.get('default') or ('deny' if eff.get('allow') else 'allow')}")
+    layers = eff.get("all_of") or [eff]
+    for i, layer in enumerate(layers):
+        if len(layers) > 1:
+            output.line(f"  {'tenant default' if i == 0 else 'its own'} (both must allow):")
+        output.line(f"  allow:   {', '.join(layer.get('allow', [])) or '-'}")
+        output.line(f"  deny:    {', '.join(layer.get('deny', [])) or '-'}")
+        output.line(f"  default: {layer.get('default') or ('deny' if layer.get('allow') else 'allow')}")
+    limits = view.get("limits") or {}
+    assert isinstance(limits, dict)
+    for note in limits.get("clipped") or []:
+        output.line(f"  note:    {note}")
     secrets = view.get("secrets") or []
     assert isinstance(secrets, list)
     output.line(f"  secrets: {', '.join(str(s) for s in secrets) or '-'}")

@@ -44,6 +44,10 @@ def serve(
         "--user", envvar="SPACE_USER",
         help="Run the API and controller as this user once the node agent (root) is started; "
              "'root' keeps them root.")] = "space",
+    egress_private: Annotated[list[str] | None, typer.Option(
+        "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR",
+        help="A private range sandbox egress policies may open (repeatable; the deployment's ceiling, "
+             "narrowed per tenant by the operator). None by default.")] = None,
     e2b_domain: Annotated[str | None, typer.Option(
         "--e2b-domain", envvar="SPACE_E2B_DOMAIN",
         help="Also route E2B host names <port>-<sandbox id>.<domain> to sandboxes (needs wildcard DNS).")]
@@ -56,12 +60,25 @@ def serve(
     from space.serve import run
 
     logs.configure(log_level)
+    ceiling = _ceiling(egress_private)
     run(ServeSettings(
         data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
         cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
         operator_tenant=operator_tenant, network=network, user=user, e2b_domain=e2b_domain,
+        egress_ceiling=ceiling,
     ))
+
+
+def _ceiling(entries: list[str] | None) -> tuple[str, ...]:
+    """The ``--egress-private`` ranges, checked now (a bad one stops the start with its reason)."""
+    from space.egress_policy import parse_ceiling
+    from space.errors import InvalidRequest
+
+    try:
+        return tuple(str(n) for n in parse_ceiling(entries))
+    except InvalidRequest as e:
+        raise typer.BadParameter(e.message, param_hint="--egress-private") from None
 
 
 @node_app.command("run")
@@ -94,6 +111,10 @@ def node_run(
     egress_ca_dir: Annotated[Path | None, typer.Option(
         "--egress-ca-dir", envvar="SPACE_EGRESS_CA_DIR",
         help="The deployment's egress CA (the same on every node); default <data-dir>/egress-ca.")] = None,
+    egress_private: Annotated[list[str] | None, typer.Option(
+        "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR",
+        help="A private range sandbox egress policies may open on this node (repeatable; give every "
+             "node the deployment's ceiling). None by default.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a node agent."""
@@ -111,6 +132,7 @@ def node_run(
         die_with_parent=die_with_parent, object_store_url=object_store_url,
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
         network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
+        egress_ceiling=_ceiling(egress_private),
     ))
 
 

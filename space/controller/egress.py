@@ -1,9 +1,13 @@
 """What a node's gateway must know about a sandbox, computed by the control plane: the tenant, the
-effective egress policy (the sandbox's own, else its tenant's default) and its resolved secrets.
+sandbox's own egress policy, its tenant's default policy (a layer under it: both must allow), the
+tenant's ceiling (the private ranges the operator opened to it; None: the node's own) and its
+resolved secrets.
 
 Nodes get this with every call that puts a sandbox on them (create, warm claim, fork, restore) and
 again whenever it changes (a policy set, a secret rotated, an agent that lost its secrets in a
-restart). Secret values travel only here: control plane → node agent → gateway memory.
+restart). The gateway checks all of it again (:mod:`space.egress_policy`): the node's own ceiling
+and its fence bound whatever arrives here. Secret values travel only here: control plane → node
+agent → gateway memory.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from space.gateway.policy import effective
 from space.store import Sandbox
 from space.store.repo import Store
 
@@ -22,31 +25,37 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Tenant defaults are read at most this often per tenant (a change applies to new sandboxes).
+#: Tenant defaults are read at most this often per tenant (a change applies to new placements).
 TENANT_DEFAULT_TTL = 1.0
 
-_tenant_defaults: dict[str, tuple[float, dict[str, Any]]] = {}
+_tenant_limits: dict[str, tuple[float, tuple[dict[str, Any], list[str] | None]]] = {}
 
 
-async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
-    hit = _tenant_defaults.get(tenant)
+async def tenant_limits(store: Store, tenant: str) -> tuple[dict[str, Any], list[str] | None]:
+    """The tenant's default egress policy and its ceiling (None: the deployment's)."""
+    hit = _tenant_limits.get(tenant)
     now = time.monotonic()
     if hit is not None and hit[0] > now:
         return hit[1]
-    doc = await store.tenant_egress(tenant)
-    _tenant_defaults[tenant] = (now + TENANT_DEFAULT_TTL, doc)
-    return doc
+    found = await store.tenant_egress_limits(tenant)
+    _tenant_limits[tenant] = (now + TENANT_DEFAULT_TTL, found)
+    return found
+
+
+async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
+    return (await tenant_limits(store, tenant))[0]
 
 
 def forget_tenant_default(tenant: str) -> None:
-    _tenant_defaults.pop(tenant, None)
+    _tenant_limits.pop(tenant, None)
 
 
 async def egress_config(store: Store, credentials: CredentialManager | None, sb: Sandbox, *,
                         with_secrets: bool = True) -> dict[str, Any]:
     """The node's ``EgressConfig`` for ``sb`` (its secrets resolved, and audited, when asked)."""
-    policy = effective(sb.egress, await tenant_default(store, sb.tenant))
+    tenant_doc, ceiling = await tenant_limits(store, sb.tenant)
     secrets: list[dict[str, Any]] = []
     if with_secrets and sb.secrets and credentials is not None:
         secrets = [s.to_wire() for s in await credentials.resolve(sb)]
-    return {"tenant": sb.tenant, "policy": policy, "secrets": secrets}
+    return {"tenant": sb.tenant, "policy": dict(sb.egress or {}), "tenant_policy": tenant_doc, "ceiling": ceiling,
+            "secrets": secrets}

@@ -24,8 +24,8 @@ import structlog
 
 from space.api.auth import Principal
 from space.credentials.backends import Backends, BuiltinBackend
+from space.egress_policy import validate_host_pattern
 from space.errors import Forbidden, InvalidRequest, NotFound, PayloadTooLarge, SpaceError
-from space.gateway.policy import validate_host_pattern
 from space.store import Sandbox, Store
 from space.store.models import AuditRecord, Secret, utcnow
 

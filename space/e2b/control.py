@@ -24,17 +24,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from space import egress_policy as egress_rules
 from space.api import sandboxes as space_sandboxes
 from space.api.auditing import AuditMiddleware
 from space.api.auth import Principal, principal, principal_of_key
 from space.api.dataplane import wait_operation
+from space.api.egress import checked_policy
 from space.api.egress import push as egress_push
 from space.api.lifecycle import ForkBody, enqueue_action, fork_sandbox, start_suspend
 from space.api.state import AppState, app_state
 from space.e2b import tokens
 from space.e2b.edge import json_body, timed_out
 from space.errors import InvalidState, NotFound, SpaceError, Unauthorized
-from space.gateway import policy as egress_rules
 from space.lifecycle import Action, State
 from space.store import Operation, Sandbox
 
@@ -596,7 +597,11 @@ async def fork(sandbox_id: str, who: Auth, st: St, body: ForkRequest | None = No
 async def update_network(sandbox_id: str, body: Network, who: Auth, st: St) -> Response:
     who.require_write()
     sb = await live_sandbox(st, who, sandbox_id)
-    sb = await st.store.update_sandbox(sb.id, egress=egress_of(None, body) or {})
+    try:
+        doc = await checked_policy(st, sb.tenant, egress_of(None, body) or {})
+    except SpaceError as exc:
+        raise E2BError(400, f"invalid network rules: {exc.message}") from None
+    sb = await st.store.update_sandbox(sb.id, egress=doc)
     await egress_push(st, sb, with_secrets=False)
     return Response(status_code=204)
 

@@ -11,6 +11,10 @@ Where a decision is made:
 - every upstream connection (``server_connect``): it goes to the address that was checked (never a
   second resolution); a connection nothing checked yet is checked there.
 
+Every decision is :class:`space.egress_policy.Egress`'s: a host that is an address in any spelling
+is decided as that address, and a name the policy settles by itself (a deny rule, an allowlist
+without it) is denied before any lookup, so nothing about it reaches upstream DNS.
+
 TLS is intercepted only for a tunnel whose host one of the sandbox's secrets names; everything
 else passes through untouched. A secret goes only to the tunnel's host (a request naming another
 host inside the tunnel gets 421) and only over TLS verified for that host.
@@ -24,9 +28,9 @@ from typing import Any
 
 from mitmproxy import http
 
+from space.egress_policy import Decision, IPAddress, canonical, classify_host
 from space.gateway.conns import Conn, Connections, Target
 from space.gateway.journal import Journal
-from space.gateway.policy import Decision, IPAddress
 from space.gateway.redact import StreamRedactor, needles_of, redact_text
 from space.gateway.registry import Entry, Registry, normalize_ip
 from space.gateway.resolver import Resolver
@@ -57,16 +61,20 @@ class Gateway:
     # ---- helpers -----------------------------------------------------------------------------------
 
     async def check(self, entry: Entry, host: str, port: int) -> tuple[Decision, IPAddress | None]:
-        """Resolve ``host`` and decide; the address to connect to when allowed."""
-        ips = await self.resolver.resolve(host, 4)
-        if not ips and any(r.network is not None and r.network.version == 6 for r in entry.policy.allow):
-            ips = await self.resolver.resolve(host, 6)
-        if not ips:
-            early = entry.policy.check_name(host, port)
-            if early is not None and not early.allowed:
-                return early, None
-            return Decision(False, "dns", f"{host} does not resolve"), None
-        d = entry.policy.decide(host, port, ips)
+        """Decide on ``host`` (resolving it only when the name alone does not settle it); the address
+        to connect to when allowed. An address in any spelling is never looked up as a name."""
+        egress = entry.egress
+        early = egress.check_name(host, port)
+        if early is not None:
+            return early, None
+        target = classify_host(host)  # check_name refused what does not parse
+        if not isinstance(target, str):
+            d = egress.decide(host, port)
+            return d, (canonical(target) if d.allowed else None)
+        ips = await self.resolver.resolve(target, 4)
+        if not ips and egress.allows_ipv6:
+            ips = await self.resolver.resolve(target, 6)
+        d = egress.decide(target, port, ips)
         return d, (ips[0] if d.allowed else None)
 
     def audit(self, entry: Entry, action: str, target: str, result: str, **details: Any) -> None:
@@ -171,7 +179,7 @@ class Gateway:
                            reason=f"request for {named} inside a tunnel to {t.host}")
                 self.respond(flow, 421, f"SPACE egress: this connection goes to {t.host}, not {named}\n")
                 return
-            d = entry.policy.decide(t.host, t.port, [t.ip])
+            d = entry.egress.decide(t.host, t.port, [t.ip])
             if not d.allowed:
                 self.deny(flow, entry, t.host, t.port, d)
                 return
@@ -267,7 +275,7 @@ class Gateway:
         ip = conn.pending.pop(addr, None)
         t = conn.tunnel
         if ip is None and t is not None and (addr == (t.host, t.port) or conn.transparent):
-            d = entry.policy.decide(t.host, t.port, [t.ip])
+            d = entry.egress.decide(t.host, t.port, [t.ip])
             if d.allowed:
                 ip = t.ip
             else:
@@ -312,7 +320,7 @@ class Gateway:
             t = conn.tunnel
             if t is None:
                 continue
-            d = entry.policy.decide(t.host, t.port, [t.ip])
+            d = entry.egress.decide(t.host, t.port, [t.ip])
             if not d.allowed:
                 self.stats.denied += 1
                 self.audit(entry, "egress.deny", f"{t.host}:{t.port}", "reset", rule=d.rule,

@@ -39,7 +39,7 @@ from typing import Any
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import events
 
-from space.gateway.policy import IPAddress
+from space.egress_policy import IPAddress
 from space.gateway.registry import normalize_ip
 from space.gateway.stats import Stats
 

@@ -5,13 +5,19 @@ gateway runs as its own unprivileged user, bound by the node agent in a director
 may enter and handed over already listening (``--control-fd N``): the gateway then needs no access
 to that directory, and it never decides who may connect.
 
-    {"op":"put","ip","sandbox","tenant","policy","secrets":[...]}  → {"ok":true,"reset":n}
+    {"op":"put","ip","sandbox","tenant","policy","tenant_policy","ceiling","secrets":[...]}
+                                                                    → {"ok":true,"reset":n}
     {"op":"delete","ip"}                                            → {"ok":true,"existed":bool,"reset":n}
     {"op":"list"}                                                   → {"ok":true,"sandboxes":[...]} (no values)
     {"op":"reset","ip"}                                             → {"ok":true,"reset":n}
     {"op":"audit","after":N,"limit":M}                              → {"ok":true,"records":[...],"last":N}
     {"op":"ack","upto":N}                                           → {"ok":true,"acked":N}
     {"op":"stats"}                                                  → {"ok":true, counters...}
+
+``put``: ``policy`` is the sandbox's own, ``tenant_policy`` its tenant's default (both must allow),
+``ceiling`` the tenant's private ranges (null: this gateway's ``--private-ceiling``; never wider than
+it, whatever is sent). The fence (``--sandbox-network``, the node's own addresses, loopback,
+link-local, metadata) holds whatever a ``put`` says.
 
 ``audit``'s ``last`` is the seq of the last record returned (pass it as the next ``after``), or,
 when none is, the larger of ``after`` and the ack watermark. ``put`` also resets the sandbox's open

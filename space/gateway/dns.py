@@ -1,8 +1,11 @@
 """The sandboxes' DNS server (UDP and TCP), answering by each sandbox's egress policy.
 
 - Source address → sandbox; an unknown source gets REFUSED.
-- A name the policy denies outright (``Policy.check_name(name, 0)``) gets NXDOMAIN, audited as
-  ``dns.deny``.
+- A name the policy denies outright (``Egress.check_name(name, 0)``: a deny rule, or an allowlist
+  none of whose host patterns allows it), a name that is really an address in some spelling
+  (``2130706433``, ``127.1``) and a host that is neither get NXDOMAIN, answered here and audited as
+  ``dns.deny``: such a name is **never** sent upstream (a lookup of ``<data>.evil.tld`` would carry
+  the data out).
 - Otherwise the gateway resolves the name itself and answers A records, leaving out every address
   the policy would deny on **every** port: an address is kept when ``decide(name, p, [ip])`` allows
   it for some ``p`` among the ports the rules name, plus 0 standing for "any other port". DNS cannot
@@ -12,6 +15,10 @@
 - AAAA: an empty answer unless the policy allows some IPv6 CIDR (the sandbox network is IPv4;
   without that, IPv6 answers only make clients try a route that does not exist).
 - Other types: an empty answer. TTL 5 s so that a policy change bites quickly.
+- Bounded work: at most ``MAX_INFLIGHT_PER_SOURCE`` queries of one sandbox and ``MAX_INFLIGHT`` in
+  all are answered at once; a datagram beyond that gets REFUSED at once (counted in ``dns_busy``),
+  without a task or an upstream query. At most ``MAX_TCP_PER_SOURCE`` TCP connections per sandbox
+  (and ``MAX_TCP`` in all); one more is reset (``dns_tcp_refused``).
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
+from space.egress_policy import Decision, classify_host
 from space.gateway.journal import Journal
-from space.gateway.policy import IPAddress, Policy
 from space.gateway.registry import Registry, normalize_ip
 from space.gateway.resolver import Resolver
 from space.gateway.stats import Stats
@@ -39,16 +46,52 @@ from space.gateway.stats import Stats
 TTL = 5
 TCP_IDLE = 10.0
 _LINGER0 = struct.pack("ii", 1, 0)
+#: Queries being answered at once (each may wait on upstream DNS for seconds).
+MAX_INFLIGHT_PER_SOURCE = 32
+MAX_INFLIGHT = 512
+MAX_TCP_PER_SOURCE = 8
+MAX_TCP = 256
 
 
-def permitted_somewhere(policy: Policy, name: str, ip: IPAddress) -> bool:
-    """Whether a connection to ``ip`` (named ``name``) could be allowed on at least one port."""
-    ports = {0} | {r.port for r in (*policy.allow, *policy.deny) if r.port}
-    return any(policy.decide(name, p, [ip]).allowed for p in sorted(ports))
+class Inflight:
+    """Counts per source and in all; ``take`` says whether one more may start."""
+
+    def __init__(self, per_source: int, total: int) -> None:
+        self.per_source, self.total = per_source, total
+        self.counts: dict[str, int] = {}
+        self.n = 0
+
+    def take(self, source: str) -> bool:
+        mine = self.counts.get(source, 0)
+        if mine >= self.per_source or self.n >= self.total:
+            return False
+        self.counts[source] = mine + 1
+        self.n += 1
+        return True
+
+    def give(self, source: str) -> None:
+        mine = self.counts.get(source, 0) - 1
+        if mine > 0:
+            self.counts[source] = mine
+        else:
+            self.counts.pop(source, None)
+        self.n -= 1
 
 
-def allows_ipv6(policy: Policy) -> bool:
-    return any(r.network is not None and r.network.version == 6 for r in policy.allow)
+def refused(wire: bytes) -> bytes | None:
+    """A REFUSED answer to ``wire`` from its header and question alone (no message parse, no
+    compression pointers followed): None if it is no query."""
+    if len(wire) < 12 or wire[2] & 0x80:
+        return None
+    flags = 0x8000 | ((wire[2] & 0x79) << 8) | 0x80 | 5  # QR, its opcode and RD, RA, REFUSED
+    question = b""
+    if wire[4:6] == b"\0\1":  # one question: echoed, as resolvers match answers by it
+        pos = 12
+        while pos < len(wire) and wire[pos] and wire[pos] < 64:
+            pos += wire[pos] + 1
+        if pos + 5 <= len(wire) and wire[pos] == 0:
+            question = wire[12:pos + 5]
+    return wire[:2] + struct.pack("!HHHHH", flags, 1 if question else 0, 0, 0, 0) + question
 
 
 class DnsServer:
@@ -61,6 +104,8 @@ class DnsServer:
         self._tcp: asyncio.Server | None = None
         self._tcp_conns: dict[asyncio.StreamWriter, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.inflight = Inflight(MAX_INFLIGHT_PER_SOURCE, MAX_INFLIGHT)
+        self.tcp = Inflight(MAX_TCP_PER_SOURCE, MAX_TCP)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -110,21 +155,23 @@ class DnsServer:
         if q.rdclass != dns.rdataclass.IN:
             resp.set_rcode(dns.rcode.REFUSED)
             return _wire(resp)
-        policy = entry.policy
-        early = policy.check_name(name, 0)
-        if early is not None and not early.allowed:
-            self._deny(entry.tenant, entry.sandbox, name, q.rdtype, early.rule, early.reason)
+        egress = entry.egress
+        denial = egress.check_name(name, 0)
+        if denial is None and not isinstance(classify_host(name), str):
+            denial = Decision(False, "invalid-host", f"{name} is an address, not a name to look up")
+        if denial is not None:
+            self._deny(entry.tenant, entry.sandbox, name, q.rdtype, denial.rule, denial.reason)
             resp.set_rcode(dns.rcode.NXDOMAIN)
             return _wire(resp)
         if q.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
             version = 4 if q.rdtype == dns.rdatatype.A else 6
-            if version == 6 and not allows_ipv6(policy):
+            if version == 6 and not egress.allows_ipv6:
                 return _wire(resp)
             ips = await self.resolver.resolve(name, version)
             if not ips and version == 4 and not await self.resolver.resolve(name, 6):
                 resp.set_rcode(dns.rcode.NXDOMAIN)
                 return _wire(resp)
-            kept = [ip for ip in ips if permitted_somewhere(policy, name, ip)]
+            kept = [ip for ip in ips if egress.permitted_somewhere(name, ip)]
             if ips and not kept:
                 self._deny(entry.tenant, entry.sandbox, name, q.rdtype, "blocked-range",
                            f"every address of {name} is denied ({', '.join(map(str, ips))})")
@@ -155,13 +202,24 @@ class DnsServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
         peer = writer.get_extra_info("peername")
         source = normalize_ip(peer[0])
+        if not self.tcp.take(source):
+            self.stats.dns_tcp_refused += 1
+            writer.transport.abort()
+            return
         self._tcp_conns[writer] = source
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE):
                     head = await reader.readexactly(2)
                     wire = await reader.readexactly(struct.unpack("!H", head)[0])
-                out = await self.answer(wire, source)
+                if self.inflight.take(source):
+                    try:
+                        out = await self.answer(wire, source)
+                    finally:
+                        self.inflight.give(source)
+                else:
+                    self.stats.dns_busy += 1
+                    out = refused(wire)
                 if out is None:
                     break
                 writer.write(struct.pack("!H", len(out)) + out)
@@ -170,6 +228,7 @@ class DnsServer:
             pass
         finally:
             self._tcp_conns.pop(writer, None)
+            self.tcp.give(source)
             writer.transport.abort()
 
 
@@ -186,10 +245,22 @@ class _Udp(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-        self.server.spawn(self._reply(data, addr))
+        server = self.server
+        source = normalize_ip(str(addr[0]))
+        if not server.inflight.take(source):
+            # Over its share: answered at once from the header, no task, nothing asked upstream.
+            server.stats.dns_busy += 1
+            out = refused(data)
+            if out is not None and self.transport is not None:
+                self.transport.sendto(out, addr)
+            return
+        server.spawn(self._reply(data, addr, source))
 
-    async def _reply(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-        out = await self.server.answer(data, normalize_ip(str(addr[0])))
+    async def _reply(self, data: bytes, addr: tuple[str | Any, int], source: str) -> None:
+        try:
+            out = await self.server.answer(data, source)
+        finally:
+            self.server.inflight.give(source)
         if out is not None and self.transport is not None:
             if len(out) > 512:  # no EDNS bookkeeping here: truncate, the client retries over TCP
                 q = dns.message.from_wire(data)

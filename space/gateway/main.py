@@ -2,7 +2,8 @@
 
     python -m space.gateway --proxy 10.201.0.1:3128 [--transparent 10.201.0.1:3129]
         --dns 10.201.0.1:3053 --control /run/space/gateway.sock [--control-fd N | --control-group GID]
-        --confdir DIR --journal DIR [--upstream-dns IP] [--hosts-file FILE] [--upstream-ca FILE]
+        --confdir DIR --journal DIR [--upstream-dns IP[:PORT]] [--hosts-file FILE] [--upstream-ca FILE]
+        [--sandbox-network CIDR]... [--private-ceiling CIDR]...
 
 It runs in its own venv (``make gateway``: mitmproxy pins versions the main venv cannot share), as
 its own unprivileged user when the node agent starts it (:mod:`space.node.gateway`): nothing here
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -23,13 +25,13 @@ import socket
 import sys
 from typing import Any
 
+from space.egress_policy import LOOPBACK, Fence, IPAddress, IPNetwork, parse_ceiling
 from space.gateway.addon import Gateway
 from space.gateway.ca import ensure_ca
 from space.gateway.conns import Connections
 from space.gateway.control import ControlServer
 from space.gateway.dns import DnsServer
 from space.gateway.journal import Journal
-from space.gateway.policy import read_node_addresses, set_node_addresses
 from space.gateway.registry import Registry
 from space.gateway.resolver import Resolver, load_hosts
 from space.gateway.stats import Stats
@@ -56,9 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--control-group", type=int, help="group of the control socket bound here (default: ours)")
     ap.add_argument("--confdir", required=True, help="where the CA lives (mitmproxy's confdir)")
     ap.add_argument("--journal", required=True, help="audit journal directory")
-    ap.add_argument("--upstream-dns", help="resolver to ask (default: the system's)")
+    ap.add_argument("--upstream-dns", help="resolver to ask, IP[:PORT] (default: the system's)")
     ap.add_argument("--hosts-file", help="TEST ONLY: JSON {name: ip}; nothing else resolves")
     ap.add_argument("--upstream-ca", help="TEST ONLY: PEM of the CAs upstream servers are verified against")
+    ap.add_argument("--sandbox-network", action="append", default=[], type=ipaddress.ip_network,
+                    help="a range the node gives sandboxes addresses from: never a destination (repeatable)")
+    ap.add_argument("--private-ceiling", action="append", default=[],
+                    help="a private range (CIDR) policies may open on this node; none by default (repeatable)")
     ap.add_argument("--test-allow-loopback", action="store_true",
                     help="TEST ONLY: let policies allow 127.0.0.0/8 (gateway tests' upstreams live there)")
     ap.add_argument("--log-level", default="WARNING")
@@ -73,7 +79,11 @@ async def amain(args: argparse.Namespace) -> None:
 
     cert, _ = ensure_ca(args.confdir)
     hosts = load_hosts(args.hosts_file) if args.hosts_file else None
-    stats, registry = Stats(), Registry()
+    fence = Fence(args.sandbox_network, allow_loopback=args.test_allow_loopback)
+    ceiling: tuple[IPNetwork, ...] = parse_ceiling(args.private_ceiling)
+    if args.test_allow_loopback:
+        ceiling += LOOPBACK
+    stats, registry = Stats(), Registry(fence, ceiling)
     journal = Journal(args.journal)
     journal.start()
     resolver = Resolver(hosts=hosts, upstream=args.upstream_dns)
@@ -129,10 +139,10 @@ async def amain(args: argparse.Namespace) -> None:
         # The node's own addresses may change (DHCP, a new link): re-read them now and then.
         while True:
             with contextlib.suppress(OSError):
-                set_node_addresses(read_node_addresses())
-            await asyncio.sleep(10)
+                fence.set_node_addresses(read_node_addresses())
+            await asyncio.sleep(2)
 
-    set_node_addresses((), allow_loopback=args.test_allow_loopback)
+    fence.set_node_addresses(read_node_addresses())
     watcher = asyncio.create_task(watch_node_addresses())
     try:
         await master.run()
@@ -146,6 +156,25 @@ async def amain(args: argparse.Namespace) -> None:
         if args.control_fd is None:  # a socket handed over is its binder's to remove
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(args.control)
+
+
+def read_node_addresses(fib_trie: str = "/proc/net/fib_trie", if_inet6: str = "/proc/net/if_inet6") -> set[IPAddress]:
+    """The host's own addresses: IPv4 (the ``/32 host LOCAL`` entries of the FIB) and IPv6."""
+    found: set[IPAddress] = set()
+    last: str | None = None
+    with contextlib.suppress(FileNotFoundError), open(fib_trie) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "|--":
+                last = parts[1]
+            elif last and "/32 host LOCAL" in line:
+                with contextlib.suppress(ValueError):
+                    found.add(ipaddress.ip_address(last))
+    with contextlib.suppress(FileNotFoundError), open(if_inet6) as f:
+        for line in f:
+            with contextlib.suppress(ValueError, IndexError):
+                found.add(ipaddress.IPv6Address(bytes.fromhex(line.split()[0])))
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:

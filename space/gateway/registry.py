@@ -15,8 +15,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from space.egress_policy import (
+    Egress,
+    Fence,
+    IPNetwork,
+    match_host,
+    narrow,
+    parse_ceiling,
+    validate,
+    validate_host_pattern,
+)
 from space.errors import InvalidRequest
-from space.gateway.policy import Policy, match_host, validate_host_pattern
 
 _HEADER_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
 #: A bare value shorter than this is not redacted on its own: it would mangle unrelated text.
@@ -114,7 +123,11 @@ class Entry:
     sandbox: str
     tenant: str
     policy_doc: dict[str, Any]
-    policy: Policy
+    #: The tenant's default policy (a layer under the sandbox's own: both must allow).
+    tenant_doc: dict[str, Any]
+    #: The tenant's ceiling as the control plane sent it (None: the node's own).
+    ceiling: tuple[IPNetwork, ...] | None
+    egress: Egress
     secrets: tuple[Secret, ...]
 
     def secrets_for(self, host: str) -> list[Secret]:
@@ -122,7 +135,8 @@ class Entry:
 
     def public(self) -> dict[str, Any]:
         return {"ip": self.ip, "sandbox": self.sandbox, "tenant": self.tenant, "policy": self.policy_doc,
-                "secrets": [s.public() for s in self.secrets]}
+                "tenant_policy": self.tenant_doc,
+                "ceiling": [str(n) for n in self.egress.ceiling], "secrets": [s.public() for s in self.secrets]}
 
 
 def normalize_ip(raw: str) -> str:
@@ -134,7 +148,12 @@ def normalize_ip(raw: str) -> str:
 
 
 class Registry:
-    def __init__(self) -> None:
+    """``fence``: what no sandbox of this node reaches; ``ceiling``: the private ranges this node
+    lets any policy open (a tenant's ceiling, sent with its sandboxes, only narrows it)."""
+
+    def __init__(self, fence: Fence | None = None, ceiling: tuple[IPNetwork, ...] = ()) -> None:
+        self.fence = fence or Fence()
+        self.ceiling = ceiling
         self._entries: dict[str, Entry] = {}
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
 
@@ -147,16 +166,23 @@ class Registry:
         sandbox, tenant = doc.get("sandbox"), doc.get("tenant")
         if not sandbox or not isinstance(sandbox, str) or not isinstance(tenant, str | None):
             raise InvalidRequest("'sandbox' (and 'tenant', if given) must be strings")
-        raw_policy = doc.get("policy") or {}
-        if not isinstance(raw_policy, Mapping):
-            raise InvalidRequest("'policy' must be an object")
-        policy = Policy.from_doc(raw_policy)
+        raw_policy, raw_tenant = doc.get("policy") or {}, doc.get("tenant_policy") or {}
+        if not isinstance(raw_policy, Mapping) or not isinstance(raw_tenant, Mapping):
+            raise InvalidRequest("'policy' and 'tenant_policy' must be objects")
+        raw_ceiling = doc.get("ceiling")
+        if raw_ceiling is not None and (isinstance(raw_ceiling, str) or not isinstance(raw_ceiling, list)):
+            raise InvalidRequest("'ceiling' must be a list of CIDRs or null")
+        tenant_ceiling = parse_ceiling(raw_ceiling) if raw_ceiling is not None else None
+        # Never wider than this node's own ceiling, whatever the control plane sent.
+        ceiling = self.ceiling if tenant_ceiling is None else narrow(tenant_ceiling, self.ceiling)
+        policy_doc, tenant_doc = validate(raw_policy), validate(raw_tenant)
+        egress = Egress.build((tenant_doc, policy_doc), ceiling, self.fence)
         raw_secrets = doc.get("secrets") or []
         if not isinstance(raw_secrets, list):
             raise InvalidRequest("'secrets' must be a list")
         secrets = tuple(Secret.from_doc(s) for s in raw_secrets)
-        entry = Entry(ip=ip, sandbox=sandbox, tenant=tenant or "", policy_doc=dict(raw_policy), policy=policy,
-                      secrets=secrets)
+        entry = Entry(ip=ip, sandbox=sandbox, tenant=tenant or "", policy_doc=policy_doc, tenant_doc=tenant_doc,
+                      ceiling=tenant_ceiling, egress=egress, secrets=secrets)
         self._entries[ip] = entry
         keep = {(ip, s.secret_id) for s in secrets if s.rate_limit}
         for key, bucket in list(self._buckets.items()):

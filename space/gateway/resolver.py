@@ -18,7 +18,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.rdatatype
 
-from space.gateway.policy import IPAddress
+from space.egress_policy import IPAddress
 
 MAX_TTL = 30.0  # seconds an upstream answer is reused
 NEGATIVE_TTL = 5.0
@@ -36,6 +36,22 @@ def load_hosts(path: str | Path) -> dict[str, list[IPAddress]]:
     return out
 
 
+def split_upstream(raw: str) -> tuple[str, int]:
+    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` → (address, port); port 53 when none is given."""
+    text = raw.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, "53"
+    ipaddress.ip_address(host)  # an address, never a name to resolve with itself
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid upstream DNS port in {raw!r}")
+    return host, int(port)
+
+
 class Resolver:
     def __init__(self, hosts: dict[str, list[IPAddress]] | None = None, upstream: str | None = None,
                  timeout: float = 3.0) -> None:
@@ -45,7 +61,9 @@ class Resolver:
         if hosts is None:
             self._dns = dns.asyncresolver.Resolver(configure=upstream is None)
             if upstream is not None:
-                self._dns.nameservers = [upstream]
+                host, port = split_upstream(upstream)
+                self._dns.nameservers = [host]
+                self._dns.port = port
             self._dns.lifetime = timeout
 
     async def resolve(self, name: str, version: int = 4) -> list[IPAddress]:

@@ -19,6 +19,8 @@ class Stats:
     bytes_down: int = 0  # to sandboxes
     dns_queries: int = 0
     dns_denied: int = 0
+    dns_busy: int = 0  # queries refused at once: their sandbox (or all) had too many in flight
+    dns_tcp_refused: int = 0  # DNS-over-TCP connections reset: too many open from that sandbox
     resets: int = 0  # connections aborted by ``reset``/``delete``/a policy change
 
     def as_dict(self) -> dict[str, Any]:

@@ -45,11 +45,14 @@ log = structlog.get_logger("space.node.api")
 
 
 class EgressConfig(BaseModel):
-    """What the gateway lets a sandbox do: its tenant, egress policy and resolved secrets
+    """What the gateway lets a sandbox do: its tenant, its own egress policy, its tenant's default
+    (both must allow), the tenant's ceiling (None: this node's own) and resolved secrets
     (``secrets`` None: keep the ones the node holds)."""
 
     tenant: str
     policy: dict[str, Any] = Field(default_factory=dict)
+    tenant_policy: dict[str, Any] = Field(default_factory=dict)
+    ceiling: list[str] | None = Field(None, max_length=256)
     secrets: list[dict[str, Any]] | None = None
 
 
@@ -234,7 +237,8 @@ def create_node_app(
 
     async def _egress(sandbox_id: str, cfg: EgressConfig | None) -> None:
         if cfg is not None:
-            await manager.set_egress(sandbox_id, tenant=cfg.tenant, policy=cfg.policy, secrets=cfg.secrets)
+            await manager.set_egress(sandbox_id, tenant=cfg.tenant, policy=cfg.policy,
+                                     tenant_policy=cfg.tenant_policy, ceiling=cfg.ceiling, secrets=cfg.secrets)
 
     @r.put("/sandboxes/{sandbox_id}/egress")
     async def set_egress(sandbox_id: str, body: EgressConfig) -> dict[str, Any]:

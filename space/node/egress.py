@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
+from space.egress_policy import parse_ceiling, validate
 from space.errors import SpaceError
-from space.gateway.policy import validate
 from space.node.gateway import GatewayHandle
 from space.node.network import Network, SandboxNet
 
@@ -47,9 +47,11 @@ class Egress:
             return None
 
     def configure(self, sandbox_id: str, sandbox_dir: Path, *, tenant: str, policy: dict[str, Any] | None,
-                  secrets: list[dict[str, Any]] | None) -> None:
+                  secrets: list[dict[str, Any]] | None, tenant_policy: dict[str, Any] | None = None,
+                  ceiling: list[str] | None = None) -> None:
         """Record a sandbox's egress (``secrets`` None: keep the ones it has)."""
-        doc = {"tenant": tenant, "policy": validate(policy)}
+        doc = {"tenant": tenant, "policy": validate(policy), "tenant_policy": validate(tenant_policy),
+               "ceiling": None if ceiling is None else [str(n) for n in parse_ceiling(ceiling)]}
         tmp = sandbox_dir / (EGRESS_FILE + ".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, sandbox_dir / EGRESS_FILE)
@@ -63,6 +65,7 @@ class Egress:
             return
         await self.gateway.client.call(
             "put", ip=net.sandbox_ip, sandbox=sandbox_id, tenant=doc["tenant"], policy=doc["policy"],
+            tenant_policy=doc.get("tenant_policy") or {}, ceiling=doc.get("ceiling"),
             secrets=self._secrets.get(sandbox_id, []))
 
     async def forget(self, sandbox_id: str, net: SandboxNet | None) -> None:

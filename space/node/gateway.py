@@ -61,10 +61,11 @@ def code_version() -> str:
     """A digest of the gateway's code: a running gateway of other code (an upgrade) is replaced."""
     import hashlib
 
+    import space.egress_policy as rules
     import space.gateway as pkg
 
     h = hashlib.sha256()
-    for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
+    for f in [*sorted(Path(pkg.__file__).parent.glob("*.py")), Path(rules.__file__)]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -229,7 +230,8 @@ class GatewayProcess:
                  transparent_port: int, dns_port: int, ca_dir: Path, python: Path | None = None,
                  hosts_file: Path | None = None, upstream_dns: str | None = None,
                  upstream_ca: Path | None = None, user: str | None = GATEWAY_USER,
-                 control_group: int | None = None) -> None:
+                 control_group: int | None = None, sandbox_networks: tuple[str, ...] = (),
+                 private_ceiling: tuple[str, ...] = ()) -> None:
         self.work_dir = work_dir
         self.control = control
         self.address = address
@@ -239,6 +241,9 @@ class GatewayProcess:
         self.hosts_file = hosts_file
         self.upstream_dns = upstream_dns
         self.upstream_ca = upstream_ca
+        #: Never destinations (every sandbox range of the host); the private ranges policies may open.
+        self.sandbox_networks = sandbox_networks
+        self.private_ceiling = private_ceiling
         self.run_as = gateway_user(user)
         self.control_group = control_group
         self.client = GatewayClient(control)
@@ -260,6 +265,10 @@ class GatewayProcess:
             argv += ["--upstream-dns", self.upstream_dns]
         if "upstream_ca" in fds:
             argv += ["--upstream-ca", _fd_path(fds["upstream_ca"])]
+        for net in self.sandbox_networks:
+            argv += ["--sandbox-network", net]
+        for net in self.private_ceiling:
+            argv += ["--private-ceiling", net]
         return argv
 
     def _alive_pid(self) -> int | None:

@@ -88,6 +88,13 @@ class NodeSettings:
     #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.
     gateway_hosts_file: Path | None = dataclasses.field(
         default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_HOSTS_FILE")) else None)
+    #: The private ranges (CIDRs) egress policies may open on this node: the deployment's ceiling
+    #: (a tenant's, set by the operator, only narrows it). Empty: none.
+    egress_ceiling: tuple[str, ...] = ()
+    #: The resolver the gateway asks for names (``IP[:PORT]``, ``$SPACE_GATEWAY_UPSTREAM_DNS``);
+    #: default: the system's.
+    gateway_upstream_dns: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get("SPACE_GATEWAY_UPSTREAM_DNS") or None)
     #: TEST ONLY: CA certificates (PEM) the gateway trusts for upstream servers, besides the system's.
     gateway_upstream_ca: Path | None = dataclasses.field(
         default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_UPSTREAM_CA")) else None)
@@ -242,7 +249,9 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
         gateway = GatewayConfig(control=channel_dir_for(settings.data_dir) / "gateway.sock",
                                 ca_dir=settings.egress_ca_dir or settings.data_dir / "egress-ca",
                                 control_group=agent.gid if agent is not None else None,
-                                hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca)
+                                hosts_file=settings.gateway_hosts_file, upstream_ca=settings.gateway_upstream_ca,
+                                upstream_dns=settings.gateway_upstream_dns,
+                                private_ceiling=settings.egress_ceiling)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
                          guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None)

@@ -826,14 +826,17 @@ class SandboxManager:
         return self.egress.network.load(self._dir(sandbox_id)) if self.egress is not None else None
 
     async def set_egress(self, sandbox_id: str, *, tenant: str, policy: dict[str, Any] | None,
-                         secrets: builtins.list[dict[str, Any]] | None) -> None:
+                         secrets: builtins.list[dict[str, Any]] | None,
+                         tenant_policy: dict[str, Any] | None = None,
+                         ceiling: builtins.list[str] | None = None) -> None:
         """Record and apply a sandbox's egress policy and secrets (a running one's next connection
         obeys it). ``secrets`` None keeps the ones it has."""
         if self.egress is None:
             return
         d = self._dir(sandbox_id)
         d.mkdir(parents=True, exist_ok=True)
-        self.egress.configure(sandbox_id, d, tenant=tenant, policy=policy, secrets=secrets)
+        self.egress.configure(sandbox_id, d, tenant=tenant, policy=policy, tenant_policy=tenant_policy,
+                              ceiling=ceiling, secrets=secrets)
         sb = self._sandboxes.get(sandbox_id)
         if sb is not None and sb.status in ("running", "paused", "starting"):
             await self.egress.apply(sandbox_id, d, self.egress.network.load(d))

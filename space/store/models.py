@@ -203,7 +203,7 @@ class Sandbox(Base):
     snapshot_id: Mapped[str | None] = mapped_column(String(64))
     #: The middle level of secret scopes (tenant → project → sandbox); "" is none.
     project: Mapped[str] = mapped_column(String(128), default="")
-    #: Egress policy (``space.gateway.policy``): ``{"allow": [...], "deny": [...]}``; empty is the
+    #: Egress policy (``space.egress_policy``): ``{"allow": [...], "deny": [...]}``; empty is the
     #: tenant's default. Follows the sandbox through pause, fork, suspend and restore.
     egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Names of the secrets bound to it, resolved by scope when it is placed on a node.
@@ -319,8 +319,11 @@ class TenantQuota(Base):
     cpu: Mapped[float | None] = mapped_column(Float)
     memory_mb: Mapped[int | None] = mapped_column(Integer)
     storage_mb: Mapped[int | None] = mapped_column(Integer)
-    #: The tenant's default egress policy for sandboxes created without one.
+    #: The tenant's default egress policy: a layer under every sandbox's own (both must allow).
     egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: The private ranges (CIDRs) the operator opens to this tenant, inside the deployment's
+    #: (``space.egress_policy``); NULL: the deployment's ceiling.
+    egress_ceiling: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

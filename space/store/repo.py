@@ -730,6 +730,13 @@ class Store:
             raise InvalidRequest("tenant must not be empty")
         return await self._upsert_quota(tenant, {"egress": dict(egress)})
 
+    async def set_tenant_ceiling(self, tenant: str, ceiling: list[str] | None) -> TenantQuota:
+        """Store the private ranges the operator opens to the tenant (validated by the caller;
+        None: the deployment's); limits and egress default stay."""
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        return await self._upsert_quota(tenant, {"egress_ceiling": None if ceiling is None else list(ceiling)})
+
     async def _upsert_quota(self, tenant: str, values: dict[str, Any]) -> TenantQuota:
         now = utcnow()
         stmt = self._insert(TenantQuota).values({"tenant": tenant, "egress": {}, "updated_at": now, **values})
@@ -799,6 +806,14 @@ class Store:
         async with self._tx(write=False) as s:
             row = await s.get(TenantQuota, tenant)
             return dict(row.egress or {}) if row is not None else {}
+
+    async def tenant_egress_limits(self, tenant: str) -> tuple[dict[str, Any], list[str] | None]:
+        """The tenant's default egress policy and its ceiling (None: the deployment's), at once."""
+        async with self._tx(write=False) as s:
+            row = await s.get(TenantQuota, tenant)
+            if row is None:
+                return {}, None
+            return dict(row.egress or {}), (list(row.egress_ceiling) if row.egress_ceiling is not None else None)
 
     # ---- audit ----------------------------------------------------------------------------------
 

@@ -82,6 +82,10 @@ def netlab(root: Path) -> Iterator[NetLab]:
         _ip("-n", lab.netns, "link", "set", "lo", "up")
         _ip("-n", lab.netns, "route", "add", "default", "via", LINK_NET[0])
         for net in ROUTES:
+            # Another test may route a stand-in address for a while (the egress probes' metadata
+            # host, another lab): wait for it rather than fail.
+            wait_for(lambda n=net: subprocess.run(["ip", "route", "show", n], capture_output=True, text=True)
+                     .stdout.strip() == "", 600, f"the route to {net} to be free")
             _ip("route", "add", net, "via", LINK_NET[1], "dev", lab.host_if)
         log = open(root / "upstream.log", "ab")  # noqa: SIM115 -- owned by the child
         lab.proc = subprocess.Popen(

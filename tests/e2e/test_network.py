@@ -43,7 +43,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetLab]:
 @pytest.fixture(scope="module")
 def srv(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {"SPACE_GATEWAY_HOSTS_FILE": str(lab.hosts_file), "SPACE_GATEWAY_UPSTREAM_CA": str(lab.upstream_ca)}
-    with own_server(tmp_path_factory.mktemp("netsrv"), env=env) as s:
+    # The lab is a private range: the operator opens it (the deployment's egress ceiling).
+    with own_server(tmp_path_factory.mktemp("netsrv"), "--egress-private", "10.250.0.0/16", env=env) as s:
         yield s
 
 
@@ -123,10 +124,16 @@ def test_allowed_host_reachable_denied_ones_fail_fast_and_are_never_reached(
         code, body = curl(api, sandbox, url)
         assert code == "403" and "SPACE egress policy denied" in body, (url, code, body)
     # A name of the metadata host does not even resolve; dialled by address under that name, the
-    # gateway's own resolution decides (and denies).
+    # gateway decides on the name: not on the allow list, denied before any lookup...
     assert curl(api, sandbox, "http://metadata.test/")[0] == "000"
     code, body = curl(api, sandbox, "http://metadata.test/", "--resolve", f"metadata.test:80:{API}")
+    assert code == "403" and "not on the allow list" in body, body
+    # ...and where a policy allows the name, the gateway's own resolution decides (and denies).
+    r = api.put(f"/v1/sandboxes/{sandbox}/policy", json={"allow": [*ALLOW_API["allow"], "metadata.test"]})
+    assert r.status_code == 200, r.text
+    code, body = curl(api, sandbox, "http://metadata.test/", "--resolve", f"metadata.test:80:{API}")
     assert code == "403" and "blocked range" in body, body
+    assert api.put(f"/v1/sandboxes/{sandbox}/policy", json=ALLOW_API).status_code == 200
     # TLS to a denied address: the connection is refused, no handshake with anything.
     code, _ = curl(api, sandbox, f"https://{META}/")
     assert code == "000"
@@ -399,3 +406,31 @@ def test_the_pool_never_honours_sandbox_setuid_binaries(api: httpx.Client, srv: 
     assert code == 0, err
     suid = next((srv.data_dir / "pool" / "sandboxes" / sandbox / "rootfs" / "root").glob("suid-id"))
     assert suid.stat().st_mode & 0o4000  # on the host the file is setuid-root, but its mount is nosuid
+
+
+def test_the_operators_ceiling_bounds_private_ranges_at_once(api: httpx.Client, lab: NetLab) -> None:
+    """The deployment opens the lab (10.250.0.0/16); the operator narrows the tenant's ceiling: a
+    running sandbox's CIDR beyond it stops working at once, its view says so, and new entries beyond
+    it are refused naming the ceiling. Back to the deployment's: it works again."""
+    ceiling = "/v1/tenants/default/egress-ceiling"
+    sid = create(api, egress=ALLOW_API)
+    try:
+        assert curl(api, sid, "http://api.test/before-narrowing")[0] == "200"
+        r = api.put(ceiling, json={"private": ["10.250.9.0/24"]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"tenant": "default", "private": ["10.250.9.0/24"], "effective": ["10.250.9.0/24"],
+                            "deployment": ["10.250.0.0/16"]}
+        assert curl(api, sid, "http://api.test/after-narrowing")[0] == "000"  # DNS answers no address
+        code, body = curl(api, sid, "http://api.test/after-narrowing", "--resolve", f"api.test:80:{API}")
+        assert code == "403" and "outside the operator's ceiling" in body, body
+        view = api.get(f"/v1/sandboxes/{sid}/policy").json()
+        assert view["policy"] == ALLOW_API and view["limits"]["private_ceiling"] == ["10.250.9.0/24"]
+        assert any(f"{API}/32" in n for n in view["limits"]["clipped"]), view
+        r = api.put(f"/v1/sandboxes/{sid}/policy", json={"allow": ["api.test", "10.250.1.0/24"]})
+        assert r.status_code == 400 and r.json()["error"]["ceiling"] == ["10.250.9.0/24"], r.text
+        assert api.put(ceiling, json={"private": None}).status_code == 200
+        assert curl(api, sid, "http://api.test/after-widening")[0] == "200"
+        assert "/after-narrowing" not in {h["path"] for h in lab.hits(API)}
+    finally:
+        api.put(ceiling, json={"private": None})
+        api.delete(f"/v1/sandboxes/{sid}")

@@ -180,7 +180,7 @@ class Upstream:
 
 class Gateway:
     def __init__(self, root: Path, pki: UpstreamPKI, *, hosts: dict[str, str] | None = None,
-                 transparent: bool = False) -> None:
+                 transparent: bool = False, upstream_dns: str | None = None) -> None:
         self.root = root
         self.pki = pki
         root.mkdir(parents=True, exist_ok=True)
@@ -193,6 +193,8 @@ class Gateway:
         self.proc: subprocess.Popen[bytes] | None = None
         self.proxy_port = self.dns_port = self.transparent_port = 0
         self.transparent = transparent
+        #: A real resolver (``IP:PORT``) instead of the hosts file.
+        self.upstream_dns = upstream_dns
 
     @property
     def ca_cert(self) -> Path:
@@ -202,8 +204,8 @@ class Gateway:
         self.proxy_port, self.dns_port = free_port(), free_port(udp_too=True)
         argv = [str(GATEWAY_PY), "-m", "space.gateway", "--proxy", f"127.0.0.1:{self.proxy_port}",
                 "--dns", f"127.0.0.1:{self.dns_port}", "--control", self.control, "--confdir", str(self.confdir),
-                "--journal", str(self.journal), "--hosts-file", str(self.hosts_file),
-                "--upstream-ca", str(self.pki.ca_cert), "--test-allow-loopback"]
+                "--journal", str(self.journal), "--upstream-ca", str(self.pki.ca_cert), "--test-allow-loopback"]
+        argv += ["--upstream-dns", self.upstream_dns] if self.upstream_dns else ["--hosts-file", str(self.hosts_file)]
         if self.transparent:
             self.transparent_port = free_port()
             argv += ["--transparent", f"127.0.0.1:{self.transparent_port}"]

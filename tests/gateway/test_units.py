@@ -12,20 +12,24 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from space.egress_policy import Egress, Fence, Policy, parse_ceiling
 from space.errors import InvalidRequest
 from space.gateway.ca import ensure_ca
 from space.gateway.journal import Journal
-from space.gateway.policy import Policy
 from space.gateway.redact import StreamRedactor, needles_of
 from space.gateway.registry import Registry, Secret, TokenBucket
 
 ip = ipaddress.ip_address
 
-# ---- policy ----------------------------------------------------------------------------------------
+# ---- policy (the language itself: tests/test_egress_policy.py) ------------------------------------
+
+
+def egress(doc: dict[str, object], ceiling: tuple[str, ...] = ()) -> Egress:
+    return Egress.build([doc], parse_ceiling(ceiling), Fence())
 
 
 def test_port_limited_deny_does_not_deny_the_name() -> None:
-    p = Policy.from_doc({"deny": ["smtp.example.com:25", "bad.example.com"]})
+    p = egress({"deny": ["smtp.example.com:25", "bad.example.com"]})
     assert p.check_name("smtp.example.com", 0) is None  # DNS: still resolvable
     denied = p.check_name("smtp.example.com", 25)
     assert denied is not None and not denied.allowed
@@ -36,20 +40,24 @@ def test_port_limited_deny_does_not_deny_the_name() -> None:
 
 
 def test_blocked_ranges_need_a_cidr_not_a_name() -> None:
-    p = Policy.from_doc({"allow": ["api.example.com"]})
+    p = egress({"allow": ["api.example.com"]})
     d = p.decide("api.example.com", 443, [ip("169.254.169.254")])
     assert not d.allowed and d.rule == "blocked-range"
-    p2 = Policy.from_doc({"allow": ["api.example.com", "10.0.0.0/8:5432"]})
+    # A private range: the operator's ceiling and a CIDR (reached by address, or by a name a host
+    # rule allows); the rule's port only.
+    p2 = egress({"allow": ["api.example.com", "db.internal", "10.0.0.0/8:5432"]}, ceiling=("10.0.0.0/8",))
     assert p2.decide("db.internal", 5432, [ip("10.1.2.3")]).allowed
+    assert p2.decide("10.1.2.3", 5432).allowed
     assert not p2.decide("db.internal", 22, [ip("10.1.2.3")]).allowed
+    assert not egress({"allow": ["db.internal", "10.0.0.0/8:5432"]}).decide("10.1.2.3", 5432).allowed  # no ceiling
     assert not p2.decide("x", 443, [ip("::ffff:169.254.169.254")]).allowed  # v4-mapped v6 too
 
 
 def test_allowlist_and_default() -> None:
-    p = Policy.from_doc({"allow": ["*.github.com"]})
+    p = egress({"allow": ["*.github.com"]})
     assert p.decide("api.github.com", 443, [ip("140.82.112.6")]).allowed
     assert not p.decide("github.com", 443, [ip("140.82.112.6")]).allowed  # *.x is not x itself
-    assert Policy.from_doc({}).decide("anything.org", 443, [ip("93.184.216.34")]).allowed
+    assert egress({}).decide("anything.org", 443, [ip("93.184.216.34")]).allowed
     with pytest.raises(InvalidRequest):
         Policy.from_doc({"allow": ["not a host"]})
 

@@ -163,3 +163,44 @@ async def test_host_opened_connections_get_replies_sandbox_opened_ones_do_not(pr
         if server.returncode is None:
             server.kill()
         await server.wait()
+
+
+async def test_the_gateways_user_cannot_open_a_connection_to_a_sandbox(tmp_path: Path) -> None:
+    """The second wall behind the gateway's fence (issue 13, finding 1): the gateway runs in the host's
+    namespace, where replies to host-opened connections into a sandbox are accepted; its user may
+    open none (the port proxy, another user, still may)."""
+    import asyncio
+    import pwd
+
+    from space.node.helper.verbs import GatewayConfig
+
+    try:
+        gw = pwd.getpwnam("space-gw")
+    except KeyError:
+        pytest.skip("no space-gw user (make setup)")
+    (tmp_path / "data").mkdir()
+    p = InProcess(HelperContext(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache",
+                                gateway_ports=(13128, 13129, 13053),
+                                gateway=GatewayConfig(control=tmp_path / "gw.sock", ca_dir=tmp_path / "ca")))
+    try:
+        await p.call("net.setup")
+        s = await p.call("net.create", {"index": 5})
+        server = await asyncio.create_subprocess_exec("ip", "netns", "exec", s["netns"], "python3", "-c", _ECHO_ONCE,
+                                                      "8000", stdout=subprocess.PIPE)
+        try:
+            assert server.stdout is not None
+            assert (await asyncio.wait_for(server.stdout.readline(), 30)).strip() == b"ready"
+            as_gateway = await asyncio.to_thread(
+                subprocess.run, ["setpriv", f"--reuid={gw.pw_uid}", f"--regid={gw.pw_gid}", "--clear-groups",
+                                 "python3", "-c", _CONNECT, s["sandbox_ip"], "8000"],
+                capture_output=True, text=True, timeout=60)
+            assert as_gateway.stdout.strip() == "ConnectionRefusedError", as_gateway
+            # Root (the port proxy's side of the host) still gets in, and the server echoes.
+            out = sh("python3", "-c", _CONNECT, s["sandbox_ip"], "8000")
+            assert out.strip() == "connected", out
+        finally:
+            if server.returncode is None:
+                server.kill()
+            await server.wait()
+    finally:
+        await p.call("net.teardown")

@@ -35,9 +35,13 @@ class GatewayConfig:
     control_group: int | None = None  # the group that may use the control socket: the agent's
     hosts_file: Path | None = None  # test-only resolver
     upstream_ca: Path | None = None  # test-only upstream trust
+    upstream_dns: str | None = None  # the resolver the gateway asks (IP[:PORT]; default: the system's)
+    #: The private ranges (CIDRs) policies may open on this node: the deployment's egress ceiling.
+    private_ceiling: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+        return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> GatewayConfig:
@@ -49,7 +53,8 @@ class GatewayConfig:
             raise ValueError("a gateway config needs 'control' and 'ca_dir'")
         return cls(control=control, ca_dir=ca_dir, user=doc.get("user", "space-gw"),
                    control_group=doc.get("control_group"), hosts_file=path("hosts_file"),
-                   upstream_ca=path("upstream_ca"))
+                   upstream_ca=path("upstream_ca"), upstream_dns=doc.get("upstream_dns"),
+                   private_ceiling=tuple(str(c) for c in doc.get("private_ceiling") or ()))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import structlog
 from space.errors import Conflict
 from space.node.gateway import GatewayProcess
 from space.node.helper.verbs import Call, HelperContext, verb
-from space.node.helper.verbs_net import NodeNet
+from space.node.helper.verbs_net import SLOT_RANGE, NodeNet
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +34,9 @@ def _process(ctx: HelperContext) -> GatewayProcess:
     proxy, transparent, dns = ctx.gateway_ports
     return GatewayProcess(ctx.data_dir / "gateway", cfg.control, address=address,
                           proxy_port=proxy, transparent_port=transparent, dns_port=dns, ca_dir=cfg.ca_dir,
-                          hosts_file=cfg.hosts_file, upstream_ca=cfg.upstream_ca, user=cfg.user,
+                          hosts_file=cfg.hosts_file, upstream_ca=cfg.upstream_ca, upstream_dns=cfg.upstream_dns,
+                          sandbox_networks=(str(SLOT_RANGE),), private_ceiling=cfg.private_ceiling,
+                          user=cfg.user,
                           control_group=cfg.control_group)
 
 

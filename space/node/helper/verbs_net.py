@@ -15,6 +15,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ class NodeNet:
         return {"index": index, "netns": f"{self.ns_prefix}{index}", "host_if": f"{self.if_prefix}{index}",
                 "host_ip": str(base + 1), "sandbox_ip": str(base + 2)}
 
-    def ruleset(self, gw: str) -> str:
+    def ruleset(self, gw: str, gateway_uid: int | None = None) -> str:
         t, sv = self.table, f'"{self.if_prefix}*"'
         # `table ...; delete table ...; table ... {}`: replaced atomically, elements re-added after.
         # DNS to any address (the sandbox's resolver is the gateway address, port 53) goes to the
@@ -88,6 +89,16 @@ class NodeNet:
         # mid-stream) makes an entry whose original direction is the sandbox's, and the direction
         # is conntrack's record, not anything in the packet. Its new connections still meet the
         # rules below (only the gateway's ports).
+        # The gateway's own user never opens a connection to a sandbox address (of this node or
+        # another on the host): the gateway refuses it already (space.egress_policy's fence); this
+        # holds even if it did not, since the replies would be accepted as those of a host-opened
+        # connection. Only when the gateway has a user of its own (the port proxy's must pass).
+        output = "" if gateway_uid is None else f"""
+  chain output {{
+    type filter hook output priority filter - 10; policy accept;
+    meta skuid {gateway_uid} ip daddr {SLOT_RANGE} ct state new meta l4proto tcp reject with tcp reset
+    meta skuid {gateway_uid} ip daddr {SLOT_RANGE} ct state new drop
+  }}"""
         return f"""
 table inet {t}
 delete table inet {t}
@@ -115,7 +126,7 @@ table inet {t} {{
     type filter hook forward priority filter - 10; policy accept;
     iifname {sv} drop
     oifname {sv} drop
-  }}
+  }}{output}
 }}
 """
 
@@ -181,8 +192,20 @@ async def net_setup(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]
     # On the loopback link: every kernel has it (this one has no dummy links), and a packet from a
     # sandbox's veth to a local address is delivered locally all the same.
     await privileged.run("ip", "addr", "replace", f"{gw}/32", "dev", "lo")
-    await privileged.run("nft", "-f", "-", input=n.ruleset(gw).encode())
+    await privileged.run("nft", "-f", "-", input=n.ruleset(gw, _gateway_uid(ctx)).encode())
     return _describe(n, slot)
+
+
+def _gateway_uid(ctx: HelperContext) -> int | None:
+    """The uid the node's gateway runs as, when it is a user of its own (not root, not the agent)."""
+    name = ctx.gateway.user if ctx.gateway is not None else None
+    if name is None:
+        return None
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
+    return None if uid in (0, ctx.agent_uid) else uid
 
 
 @verb("net.describe", NoArgs, cap=10, audit=False)
