@@ -1,7 +1,7 @@
 """the private ranges the operator opens to a tenant (its egress ceiling)
 
 Revision ID: egress_0001
-Revises: 0008
+Revises: e2b_0001
 Create Date: 2026-12-01
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "egress_0001"
-down_revision: str | None = "0008"
+down_revision: str | None = "e2b_0001"
 branch_labels: str | None = None
 depends_on: str | None = None
 
