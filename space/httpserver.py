@@ -7,6 +7,11 @@ closes a connection whose head is not complete within :data:`HEAD_TIMEOUT` (from
 from the first byte of a request that follows on a kept-alive one; an idle kept-alive connection is
 uvicorn's ``timeout_keep_alive``) and answers 431 to a head larger than :data:`MAX_HEAD`. The
 request's body is the application's to bound (:mod:`space.api.limits`).
+
+An answer sent before the request's body was read (a 413 from its length, a 401) leaves the rest of
+the body to come: uvicorn reads and discards it, without end. Closing at once would lose the answer
+(the client, still writing, gets a reset instead of the 413); so the rest is discarded for at most
+:data:`LINGER_TIMEOUT` (nginx's lingering close), then the connection is closed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 HEAD_TIMEOUT = 15.0
 #: The most bytes of request line and headers (h11's default bound).
 MAX_HEAD = 64 * 1024
+#: Seconds the rest of a body is read (and discarded) after its request was answered.
+LINGER_TIMEOUT = 10.0
 
 
 
@@ -44,6 +51,8 @@ class BoundedHttp(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._in_head = True
+        self._body_done = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,6 +60,7 @@ class BoundedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._stop_lingering()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -65,6 +75,7 @@ class BoundedHttp(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
+        self._body_done = False
         if self._head_timer is None:
             self._arm_head_timer()
 
@@ -72,6 +83,26 @@ class BoundedHttp(HttpToolsProtocol):
         self._in_head = False
         self._cancel_head_timer()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._body_done = True
+        self._stop_lingering()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self._body_done and not self.transport.is_closing():
+            self._linger_timer = self.loop.call_later(LINGER_TIMEOUT, self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._linger_timer = None
+        if not self._body_done and not self.transport.is_closing():
+            self.transport.close()
+
+    def _stop_lingering(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)

@@ -12,8 +12,8 @@ passes through chunk by chunk, never buffered here. :class:`RequestLimits` enfor
   the moment it passes the limit (413);
 - a body that stops arriving (:data:`BODY_IDLE_TIMEOUT` without a byte) or a small one that takes
   longer than :data:`SMALL_BODY_DEADLINE` is answered 408;
-- a response sent while the request's body is still unread closes the connection afterwards (else
-  the server would go on reading, and throwing away, whatever the client still sends).
+- what is left of a body the route did not read is discarded for a bounded time after the answer
+  (:mod:`space.httpserver`), then the connection is closed.
 
 The request line and headers are bounded by the server's protocol (:mod:`space.web`), which runs
 before any of this.
@@ -132,7 +132,7 @@ class RequestLimits:
         cls = self.classify(scope)
         declared = declared_length(scope)
         if declared is not None and declared > cls.limit:
-            await _send_error(send, too_large(cls), close=True)
+            await _send_error(send, too_large(cls))
             return
         body = _Body(cls, has_body(scope))
 
@@ -170,11 +170,9 @@ class RequestLimits:
                 if body.failure is not None:
                     # Whatever the route made of the failure, the client gets the failure.
                     replaced = True
-                    await _send_error(send, body.failure, close=True)
+                    await _send_error(send, body.failure)
                     return
                 body.response_started = True
-                if not body.complete:
-                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:
@@ -185,14 +183,17 @@ class RequestLimits:
             if body.failure is None:
                 raise
         if body.failure is not None and not body.response_started and not replaced:
-            await _send_error(send, body.failure, close=True)
+            await _send_error(send, body.failure)
 
 
-async def _send_error(send: Send, exc: SpaceError, *, close: bool) -> None:
+async def _send_error(send: Send, exc: SpaceError) -> None:
+    """Answer ``exc``. A timed-out body closes the connection (the client stalled mid-body); after
+    a 413 the server's protocol discards the rest of the body for a while (space.httpserver), so
+    that a client still writing it gets to read the answer."""
     body = json.dumps(exc.to_wire()).encode()
     headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(body)).encode())]
-    if close:
+    if isinstance(exc, RequestTimeout):
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

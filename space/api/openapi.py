@@ -86,8 +86,8 @@ def error_statuses(method: str, path: str, operation: dict[str, Any]) -> set[int
     out.add(errors.Unauthorized.status)
     if params or body:
         out |= {errors.InvalidRequest.status, errors.ValidationFailed.status}
-    if any(p.get("in") == "path" for p in params):
-        out.add(errors.NotFound.status)
+    if body or any(p.get("in") == "path" for p in params):
+        out.add(errors.NotFound.status)  # what the path, or the body, names (a template, a snapshot)
     if body:
         out |= {errors.RequestTimeout.status, errors.PayloadTooLarge.status}
     if method in _MUTATING or path in _ROLE_CHECKED_READS:
