@@ -79,19 +79,20 @@ def too_large(cls: BodyClass) -> BodyTooLarge:
     return BodyTooLarge(f"a {cls.name} is limited to {cls.limit} bytes", limit=cls.limit)
 
 
-def declared_length(scope: Scope) -> int | None:
-    """The request's ``Content-Length`` (the protocol already refused a malformed one)."""
+def body_framing(scope: Scope) -> tuple[bool, int | None]:
+    """Whether the request has a body, and its declared ``Content-Length`` (None when chunked; the
+    protocol already refused a malformed one)."""
+    chunked, length = False, None
     for k, v in scope.get("headers") or ():
         if k == b"content-length":
-            return int(v) if v.isdigit() else None
-    return None
+            length = int(v) if v.isdigit() else None
+        elif k == b"transfer-encoding":
+            chunked = True
+    return chunked or bool(length), length
 
 
 def has_body(scope: Scope) -> bool:
-    for k, v in scope.get("headers") or ():
-        if (k == b"content-length" and v not in (b"0", b"")) or k == b"transfer-encoding":
-            return True
-    return False
+    return body_framing(scope)[0]
 
 
 class _Body:
@@ -129,12 +130,15 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        pending, declared = body_framing(scope)
+        if not pending:  # nothing to bound (most GETs, streams included)
+            await self.app(scope, receive, send)
+            return
         cls = self.classify(scope)
-        declared = declared_length(scope)
         if declared is not None and declared > cls.limit:
             await _send_error(send, too_large(cls))
             return
-        body = _Body(cls, has_body(scope))
+        body = _Body(cls, pending)
 
         async def bounded_receive() -> Message:
             if body.failure is not None:
@@ -220,6 +224,8 @@ def space_body_class(max_upload: int) -> Callable[[Scope], BodyClass]:
 
     def classify(scope: Scope) -> BodyClass:
         path: str = scope.get("path", "")
+        if not path.startswith(("/v1/sandboxes/", "/v1/templates/blobs/")):
+            return JSON_BODY
         method: str = scope.get("method", "")
         for want, pattern, cls in streamed:
             if (want is None or want == method) and pattern.match(path):
