@@ -12,6 +12,7 @@ that body back into the same class with :func:`from_wire`.
     ├── NotFound              404 not_found
     ├── Conflict              409 conflict
     │   └── InvalidState      409 invalid_state   (names the state and the allowed actions)
+    ├── RequestTimeout        408 request_timeout (the request's body stopped arriving)
     ├── PayloadTooLarge       413 too_large
     ├── ValidationFailed      422 validation_failed
     ├── QuotaExceeded         429 quota_exceeded
@@ -87,6 +88,13 @@ class InvalidState(Conflict):
         super().__init__(message, state=state, allowed=allowed, **details)
         self.state = state
         self.allowed = allowed
+
+
+class RequestTimeout(SpaceError):
+    """The client stopped sending its request's body before it was whole."""
+
+    code = "request_timeout"
+    status = 408
 
 
 class PayloadTooLarge(SpaceError):
@@ -192,7 +200,7 @@ def from_wire(status: int, body: Any) -> SpaceError:
 
 
 def _by_status(status: int) -> type[SpaceError]:
-    for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
+    for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, RequestTimeout, Conflict, PayloadTooLarge,
                 ValidationFailed, QuotaExceeded, InsufficientStorage, Unavailable, Timeout):
         if cls.status == status:
             return cls

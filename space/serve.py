@@ -29,6 +29,7 @@ from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling
 from space.errors import NotFound, SpaceError, Unavailable
+from space.httpserver import BoundedHttp
 from space.node.client import NodeClient
 from space.node.main import channel_dir_for
 from space.node.templates import BASE_SPEC
@@ -241,6 +242,8 @@ async def serve(settings: ServeSettings) -> None:
         server = GracefulServer(uvicorn.Config(
             create_app(state), host=host or "127.0.0.1", port=int(port), log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+            # Request heads bounded in size and time (bodies: space.api.limits).
+            http=BoundedHttp,
         ))
         async with asyncio.TaskGroup() as tg:
             ctl = tg.create_task(controller.run())

@@ -14,7 +14,7 @@ import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.errors import Internal, SpaceError, ValidationFailed, from_wire
@@ -92,3 +92,15 @@ def guest_event_to_sse(header: dict[str, Any], payload: bytes) -> bytes:
     if kind == "gap":
         return sse("gap", {"seq": seq, "lost_bytes": header.get("lost_bytes", 0)}, seq)
     return sse(str(kind), {"seq": seq}, seq)
+
+
+class EventStream(StreamingResponse):
+    """A ``text/event-stream`` answer (as ``response_class``: the OpenAPI document says so)."""
+
+    media_type = "text/event-stream"
+
+
+class OctetStream(StreamingResponse):
+    """A byte stream (``application/octet-stream``), e.g. a file's contents."""
+
+    media_type = "application/octet-stream"

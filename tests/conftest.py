@@ -6,11 +6,37 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 
 import pytest
 
 from tests.e2e.harness import Server, own_server
+
+# ---- the caller's environment ---------------------------------------------------------------------
+
+#: Variables SPACE, its SDK and CLI, boto/obstore and the E2B SDKs read: a caller's (the README's
+#: walkthrough exports SPACE_URL and SPACE_API_KEY) would point the tests at another server, key or
+#: bucket. ``SPACE_TEST_*`` are the suite's own knobs (``SPACE_TEST_PG_URL``) and stay.
+CALLER_PREFIXES = ("SPACE_", "AWS_", "E2B_")
+_scrubbed: dict[str, str] = {}
+
+
+def scrub_caller_environment(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Remove the caller's SPACE_*, AWS_* and E2B_* variables from ``environ``; what was removed."""
+    gone = {k: v for k, v in environ.items() if k.startswith(CALLER_PREFIXES) and not k.startswith("SPACE_TEST_")}
+    for k in gone:
+        del environ[k]
+    return gone
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before collection: modules read some of them at import (space.controller's SPACE_CLAIM_GRACE).
+    _scrubbed.update(scrub_caller_environment(os.environ))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    os.environ.update(_scrubbed)
+
 
 # ---- PostgreSQL ---------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from space.api import (
     lifecycle,
     metrics,
     nodes,
+    openapi,
     pools,
     ports,
     sandboxes,
@@ -24,6 +25,8 @@ from space.api import (
     tenants,
 )
 from space.api.auditing import AuditMiddleware
+from space.api.auth import AuthenticateFirst
+from space.api.limits import RequestLimits, e2b_body_classes, space_body_class
 from space.api.state import AppState
 from space.e2b.control import create_control_app
 from space.e2b.edge import E2BDispatch
@@ -42,6 +45,11 @@ def create_app(state: AppState) -> FastAPI:
     )
     app.state.space = state
     install_error_handlers(app)
+    openapi.install(app)
+    # Innermost first: authentication before any route reads a body; each body bounded in size and
+    # time before anything reads it (counted and audited like any answer).
+    app.add_middleware(AuthenticateFirst)
+    app.add_middleware(RequestLimits, classify=space_body_class(state.max_upload_bytes))
     metrics.install(app)
     app.add_middleware(AuditMiddleware)
     for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools,
@@ -51,8 +59,10 @@ def create_app(state: AppState) -> FastAPI:
         app.include_router(module.router)
 
     # Outermost: E2B's planes (E2b-Sandbox-Id traffic, E2B's control paths) never reach SPACE's routes.
-    app.add_middleware(E2BDispatch, control=create_control_app(state), envd=create_envd_app(state),
-                       ports=create_ports_app(state), domain=state.e2b_domain)
+    e2b = e2b_body_classes(state.max_upload_bytes)
+    app.add_middleware(E2BDispatch, control=RequestLimits(create_control_app(state), classify=e2b["control"]),
+                       envd=RequestLimits(create_envd_app(state), classify=e2b["envd"]),
+                       ports=RequestLimits(create_ports_app(state), classify=e2b["ports"]), domain=state.e2b_domain)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 
 from space.api.auth import Principal, principal
+from space.api.fields import Cursor
 from space.api.state import AppState, app_state
 from space.store.models import AuditRecord
 
@@ -37,7 +38,7 @@ def record_view(r: AuditRecord) -> dict[str, Any]:
 async def list_audit(
     who: Auth,
     st: St,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Cursor = 0,
     action: Annotated[str | None, Query(max_length=64)] = None,
     target: Annotated[str | None, Query(max_length=512)] = None,
     tenant: Annotated[str | None, Query(max_length=128)] = None,

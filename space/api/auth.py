@@ -9,8 +9,11 @@ import hmac
 import time
 
 from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from space.errors import Forbidden, Unauthorized
+from space.api.limits import has_body
+from space.errors import Forbidden, SpaceError, Unauthorized
+from space.web import error_response
 
 ROLES = ("admin", "member", "readonly")
 
@@ -95,7 +98,14 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+#: Where :class:`AuthenticateFirst` leaves the principal it authenticated (in the request's scope).
+_AUTHENTICATED = "space.principal"
+
+
 async def principal(request: Request) -> Principal:
+    who = request.scope.get(_AUTHENTICATED)
+    if isinstance(who, Principal):
+        return who
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     key = key.strip()
@@ -127,4 +137,38 @@ def attach_token(secret: bytes, sandbox_id: str, command_id: str) -> str:
 
 
 def check_attach_token(secret: bytes, sandbox_id: str, command_id: str, token: str) -> bool:
-    return hmac.compare_digest(attach_token(secret, sandbox_id, command_id), token)
+    return same_secret(attach_token(secret, sandbox_id, command_id), token)
+
+
+def same_secret(expected: str | bytes, given: str | bytes) -> bool:
+    """Whether a credential a client sent is the expected one, in constant time, whatever it is:
+    text of any script (``hmac.compare_digest`` refuses non-ASCII ``str``: a 500), lone surrogates,
+    bytes. Every credential comparison goes through here."""
+    return hmac.compare_digest(_bytes(expected), _bytes(given))
+
+
+def _bytes(v: str | bytes) -> bytes:
+    return v if isinstance(v, bytes) else v.encode("utf-8", "surrogatepass")
+
+
+class AuthenticateFirst:
+    """ASGI middleware in front of SPACE's routes: a request that carries a body is authenticated
+    before anything reads it (FastAPI reads and parses a route's body before it solves the route's
+    dependencies, ``principal`` among them). Without a valid key it is answered 401 at once, its
+    body unread; with one, the route's ``principal`` is the one found here (no second lookup).
+    Requests without a body authenticate in the route, as before (an attach token is no API key)."""
+
+    def __init__(self, app: ASGIApp, prefix: str = "/v1/") -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix) and has_body(scope):
+            request = Request(scope)
+            try:
+                scope[_AUTHENTICATED] = await principal(request)
+            except SpaceError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from space import ids
 from space.api.auth import Principal, attach_token, check_attach_token, principal
 from space.api.dataplane import passthrough, running_sandbox
+from space.api.fields import Bool, Cursor, Int64, Number
+from space.api.openapi import RAW_BODY
 from space.api.state import AppState, app_state
-from space.errors import InvalidRequest, PayloadTooLarge, Unauthorized
+from space.errors import InvalidRequest, Unauthorized
+from space.web import EventStream
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/commands")
 
@@ -23,8 +26,8 @@ MAX_STDIN = 16 * 1024 * 1024
 
 
 class PtySize(BaseModel):
-    rows: int = Field(24, gt=0, le=1000)
-    cols: int = Field(80, gt=0, le=1000)
+    rows: Annotated[Int64, Field(gt=0, le=1000)] = 24
+    cols: Annotated[Int64, Field(gt=0, le=1000)] = 80
 
 
 class StartCommand(BaseModel):
@@ -34,17 +37,17 @@ class StartCommand(BaseModel):
     cwd: str | None = None
     user: str | None = Field(None, max_length=64)
     pty: PtySize | None = None
-    stdin: bool = False
-    timeout: float | None = Field(None, gt=0, le=30 * 24 * 3600)
+    stdin: Bool = False
+    timeout: Number | None = Field(None, gt=0, le=30 * 24 * 3600)
 
 
 class SignalBody(BaseModel):
-    signal: str | int = "SIGTERM"
+    signal: str | Int64 = "SIGTERM"
 
 
 class ResizeBody(BaseModel):
-    rows: int = Field(..., gt=0, le=1000)
-    cols: int = Field(..., gt=0, le=1000)
+    rows: Annotated[Int64, Field(gt=0, le=1000)]
+    cols: Annotated[Int64, Field(gt=0, le=1000)]
 
 
 @router.post("", status_code=201)
@@ -76,14 +79,14 @@ async def get_command(sandbox_id: str, cid: str, who: Auth, st: St) -> dict[str,
     return res
 
 
-@router.get("/{cid}/events")
+@router.get("/{cid}/events", response_class=EventStream)
 async def command_events(
     sandbox_id: str,
     cid: str,
     request: Request,
     st: St,
     token: str | None = None,
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Cursor | None = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     if token is not None:
@@ -104,14 +107,13 @@ async def command_events(
     return passthrough(resp, "text/event-stream", {"cache-control": "no-store", "x-accel-buffering": "no"})
 
 
-@router.post("/{cid}/stdin", status_code=204)
+@router.post("/{cid}/stdin", status_code=204, openapi_extra=RAW_BODY)
 async def command_stdin(sandbox_id: str, cid: str, request: Request, who: Auth, st: St,
                         eof: bool = False) -> Response:
     who.require_write()
     _, node = await running_sandbox(st, sandbox_id, who.tenant)
+    # At most MAX_STDIN bytes: space.api.limits refuses more as they arrive (or from the length).
     data = await request.body()
-    if len(data) > MAX_STDIN:
-        raise PayloadTooLarge(f"stdin writes are limited to {MAX_STDIN} bytes per request", limit=MAX_STDIN)
     await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/stdin", content=data,
                     params={"eof": str(eof).lower()})
     return Response(status_code=204)

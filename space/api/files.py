@@ -12,8 +12,10 @@ from pydantic import BaseModel
 from space import paths
 from space.api.auth import Principal, principal
 from space.api.dataplane import passthrough, running_sandbox
+from space.api.openapi import RAW_BODY
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, PayloadTooLarge
+from space.web import OctetStream
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files")
 
@@ -31,7 +33,7 @@ class MoveBody(BaseModel):
     dst: str
 
 
-@router.get("")
+@router.get("", response_class=OctetStream)
 async def download(sandbox_id: str, path: PathQ, who: Auth, st: St) -> StreamingResponse:
     p = paths.normalize(path)
     _, node = await running_sandbox(st, sandbox_id, who.tenant, read_only=who.read_only)
@@ -39,7 +41,7 @@ async def download(sandbox_id: str, path: PathQ, who: Auth, st: St) -> Streaming
     return passthrough(resp, "application/octet-stream")
 
 
-@router.put("")
+@router.put("", openapi_extra=RAW_BODY)
 async def upload(sandbox_id: str, path: PathQ, request: Request, who: Auth, st: St) -> dict[str, Any]:
     who.require_write()
     p = paths.normalize(path)

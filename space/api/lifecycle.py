@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
+from space.api.fields import Bool, Cursor, Int64
 from space.api.state import AppState, app_state
 from space.errors import Conflict, InvalidRequest, InvalidState
 from space.lifecycle import ACTION_TARGET, Action, State, require
@@ -42,7 +43,7 @@ class RollbackBody(BaseModel):
 
 class ForkBody(BaseModel):
     snapshot: str | None = Field(None, min_length=1, max_length=64)
-    count: int = Field(1, ge=1, le=MAX_FORKS)
+    count: Annotated[Int64, Field(ge=1, le=MAX_FORKS)] = 1
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
@@ -100,7 +101,7 @@ async def resume(sandbox_id: str, who: Auth, st: St, idempotency_key: IdemKey = 
 class SuspendBody(BaseModel):
     #: False keeps only the files (a disk snapshot): smaller and faster, and a restore boots the
     #: sandbox afresh instead of resuming its processes.
-    memory: bool = True
+    memory: Bool = True
 
 
 @router.post("/{sandbox_id}/suspend", status_code=202)
@@ -206,7 +207,7 @@ async def fork_sandbox(st: AppState, who: Principal, sandbox_id: str, body: Fork
 
 
 @router.get("/{sandbox_id}/events")
-async def events(sandbox_id: str, who: Auth, st: St, after: int = 0) -> dict[str, Any]:
+async def events(sandbox_id: str, who: Auth, st: St, after: Cursor = 0) -> dict[str, Any]:
     await st.store.get_sandbox(sandbox_id, tenant=who.tenant)
     rows = await st.store.list_events(sandbox_id, after=after)
     return {"events": [views.event(e) for e in rows]}

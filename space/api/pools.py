@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from space.api.auth import Principal, principal
+from space.api.fields import MAX_CPU, MAX_MEMORY_MB, MIN_MEMORY_MB, Int64, Number
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, SpaceError
 from space.node.warm import MAX_SIZE, MEMORY_BUDGET
@@ -22,9 +23,9 @@ St = Annotated[AppState, Depends(app_state)]
 
 class SetPool(BaseModel):
     #: Warm sandboxes each node keeps ready (0 removes the pool).
-    size: int = Field(..., ge=0, le=MAX_SIZE)
-    cpu: float = Field(1.0, gt=0, le=64)
-    memory_mb: int = Field(512, ge=128, le=262144)
+    size: Annotated[Int64, Field(ge=0, le=MAX_SIZE)]
+    cpu: Number = Field(1.0, gt=0, le=MAX_CPU)
+    memory_mb: Annotated[Int64, Field(ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB)] = 512
 
 
 def pool_view(p: WarmPool, reports: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -91,8 +92,8 @@ async def set_pool(template: str, body: SetPool, who: Auth, st: St) -> dict[str,
 
 
 @router.delete("/{template}")
-async def delete_pool(template: str, who: Auth, st: St, cpu: Annotated[float, Query(gt=0)] = 1.0,
-                      memory_mb: Annotated[int, Query(ge=128)] = 512) -> dict[str, Any]:
+async def delete_pool(template: str, who: Auth, st: St, cpu: Annotated[float, Query(gt=0, le=MAX_CPU)] = 1.0,
+                      memory_mb: Annotated[int, Query(ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB)] = 512) -> dict[str, Any]:
     who.require_operator()
     row = await st.store.set_warm_pool(template, cpu=cpu, memory_mb=memory_mb, size=0)
     await st.controller.push_warm_pools()

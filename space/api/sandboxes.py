@@ -18,6 +18,7 @@ from space import failpoints, ids
 from space.api import views
 from space.api.auth import Principal, principal
 from space.api.egress import checked_policy
+from space.api.fields import MAX_CPU, MAX_MEMORY_MB, MIN_MEMORY_MB, Bool, Int64, Number
 from space.api.state import AppState, app_state
 from space.controller import placement
 from space.controller.egress import egress_config
@@ -27,7 +28,7 @@ from space.node.client import NodeClient
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.store.quotas import QuotaDemand
-from space.web import sse
+from space.web import EventStream, sse
 
 log = structlog.get_logger("space.api.sandboxes")
 
@@ -42,15 +43,15 @@ FINISHED = ("succeeded", "failed")
 
 class CreateSandboxBody(BaseModel):
     template: str = Field("base", min_length=1, max_length=128)
-    cpu: float = Field(1.0, gt=0, le=64)
-    memory_mb: int = Field(512, ge=128, le=262144)
+    cpu: Number = Field(1.0, gt=0, le=MAX_CPU)
+    memory_mb: Annotated[Int64, Field(ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB)] = 512
     env: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
     #: Seconds without activity before the sandbox is paused / suspended (None: never).
-    idle_pause_s: int | None = Field(None, ge=1, le=365 * 86400)
-    idle_suspend_s: int | None = Field(None, ge=1, le=365 * 86400)
+    idle_pause_s: Annotated[Int64, Field(ge=1, le=365 * 86400)] | None = None
+    idle_suspend_s: Annotated[Int64, Field(ge=1, le=365 * 86400)] | None = None
     #: Maximum lifetime in seconds (None: none); the sandbox is deleted when it runs out.
-    lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    lifetime_s: Annotated[Int64, Field(ge=1, le=10 * 365 * 86400)] | None = None
     #: Snapshot schedule and retention overrides (see docs/api.md).
     snapshot_policy: dict[str, Any] | None = None
     #: Egress policy ``{"allow": [...], "deny": [...], "default": ...}`` (None: the tenant's default).
@@ -63,14 +64,16 @@ class CreateSandboxBody(BaseModel):
     #: memory, or its files only: ``suspend_disk``).
     on_expire: Literal["delete", "pause", "suspend", "suspend_disk"] = "delete"
     #: Whether exec and file calls on a paused or suspended sandbox wake it (else they answer 409).
-    auto_resume: bool = True
+    auto_resume: Bool = True
     #: Whether its servers answer E2B-style port traffic without its access token (E2B's default).
-    public_ports: bool = False
+    public_ports: Bool = False
     #: Start from this snapshot (files, and with a full one the processes) instead of the template.
     snapshot: str | None = Field(None, min_length=1, max_length=64)
 
 
-@router.post("/sandboxes", status_code=202)
+@router.post("/sandboxes", status_code=202,
+             responses={201: {"description": "A warm sandbox was claimed: it is running already",
+                                   "content": {"application/json": {"schema": {"type": "object"}}}}})
 async def create_sandbox(
     body: CreateSandboxBody,
     who: Auth,
@@ -256,14 +259,14 @@ async def get_sandbox(sandbox_id: str, who: Auth, st: St) -> dict[str, Any]:
 class UpdateSandboxBody(BaseModel):
     """Fields left out stay as they are; ``null`` turns a policy off."""
 
-    idle_pause_s: int | None = Field(None, ge=1, le=365 * 86400)
-    idle_suspend_s: int | None = Field(None, ge=1, le=365 * 86400)
+    idle_pause_s: Annotated[Int64, Field(ge=1, le=365 * 86400)] | None = None
+    idle_suspend_s: Annotated[Int64, Field(ge=1, le=365 * 86400)] | None = None
     #: Seconds from now until the sandbox is deleted (``null``: no maximum lifetime).
-    lifetime_s: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    lifetime_s: Annotated[Int64, Field(ge=1, le=10 * 365 * 86400)] | None = None
     snapshot_policy: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     on_expire: Literal["delete", "pause", "suspend", "suspend_disk"] | None = None
-    auto_resume: bool | None = None
+    auto_resume: Bool | None = None
 
 
 @router.patch("/sandboxes/{sandbox_id}")
@@ -357,7 +360,7 @@ async def get_operation(
     return views.operation(op)
 
 
-@router.get("/operations/{op_id}/logs")
+@router.get("/operations/{op_id}/logs", response_class=EventStream)
 async def operation_logs(
     op_id: str,
     who: Auth,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from space.api.auth import Principal, principal
 from space.api.egress import push as push_egress
+from space.api.fields import Int64
 from space.api.state import AppState, app_state
 from space.credentials import CredentialManager
 from space.errors import SpaceError, Unavailable
@@ -37,8 +38,8 @@ class SetSecret(BaseModel):
     format: str | None = None
     scope: str | None = None
     expires_at: dt.datetime | None = None
-    ttl_seconds: int | None = None
-    rate_limit: int | None = None
+    ttl_seconds: Int64 | None = None
+    rate_limit: Int64 | None = None
 
 
 def _manager(st: AppState) -> CredentialManager:
@@ -59,7 +60,8 @@ def _audited_by_manager(request: Request) -> Iterator[None]:
     request.state.audited = True
 
 
-@router.put("/{name}")
+@router.put("/{name}", responses={201: {"description": "The secret was created",
+                                         "content": {"application/json": {"schema": {"type": "object"}}}}})
 async def set_secret(name: str, body: SetSecret, who: Auth, st: St, request: Request) -> JSONResponse:
     with _audited_by_manager(request):
         secret, created = await _manager(st).set(

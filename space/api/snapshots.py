@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
+from space.api.fields import Bool
 from space.api.lifecycle import enqueue_action
 from space.api.state import AppState, app_state
 from space.errors import Conflict, InvalidRequest, NotFound, Unavailable
@@ -33,7 +34,7 @@ class SnapshotBody(BaseModel):
     #: "disk": the files, taken without pausing. "full": memory and files, consistent.
     kind: str = Field("disk", pattern="^(disk|full)$")
     #: Keep it when the sandbox is deleted: it is uploaded to object storage as it is taken.
-    retain: bool = False
+    retain: Bool = False
     name: str | None = Field(None, min_length=1, max_length=128, pattern=NAME_PATTERN)
 
 

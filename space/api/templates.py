@@ -18,6 +18,8 @@ from pydantic import BaseModel
 from space import ids
 from space.api import views
 from space.api.auth import Principal, principal
+from space.api.fields import Bool
+from space.api.openapi import RAW_BODY
 from space.api.snapshots import live_snapshot
 from space.api.state import AppState, app_state
 from space.errors import (
@@ -44,7 +46,7 @@ St = Annotated[AppState, Depends(app_state)]
 
 
 class BuildBody(BaseModel):
-    force: bool = False
+    force: Bool = False
     #: A spec from a space-template.toml (template_spec.from_toml); without it, the stored one.
     spec: dict[str, Any] | None = None
 
@@ -77,7 +79,7 @@ async def get_blob(sha256: str, who: Auth, st: St) -> dict[str, Any]:
     return {"sha256": sha256, "size_bytes": size}
 
 
-@router.put("/blobs/{sha256}")
+@router.put("/blobs/{sha256}", openapi_extra=RAW_BODY)
 async def put_blob(sha256: str, request: Request, who: Auth, st: St) -> dict[str, Any]:
     """Store a file of a template spec under its sha256 (checked); bounded by MAX_BLOB_BYTES."""
     who.require_operator()

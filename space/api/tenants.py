@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from space import egress_policy
 from space.api.auth import Principal, principal
 from space.api.egress import ON_NODE, ceiling_for, checked_policy, push
+from space.api.fields import Int64, Number
 from space.api.state import AppState, app_state
 from space.controller.egress import forget_tenant_default
 from space.errors import Forbidden, InvalidRequest, SpaceError
@@ -37,10 +38,10 @@ class QuotaBody(BaseModel):
     """Limits to change; a field left out stays as it is, ``null`` makes it unlimited."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt limit must not pass as "no change"
-    sandboxes: int | None = Field(None, ge=0)
-    cpu: float | None = Field(None, ge=0)
-    memory_mb: int | None = Field(None, ge=0)
-    storage_mb: int | None = Field(None, ge=0)
+    sandboxes: Annotated[Int64, Field(ge=0)] | None = None
+    cpu: Number | None = Field(None, ge=0)
+    memory_mb: Annotated[Int64, Field(ge=0)] | None = None
+    storage_mb: Annotated[Int64, Field(ge=0)] | None = None
 
 
 async def quota_view(st: AppState, tenant: str, row: TenantQuota | None) -> dict[str, Any]:

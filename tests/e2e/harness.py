@@ -27,6 +27,18 @@ SCRATCH = Path(tempfile.gettempdir()) / "space-e2e"
 SPACE = str(Path(sys.executable).parent / "space")
 
 
+#: What a server (and its node agent) of the tests inherits from the test process: nothing else of
+#: the caller's environment reaches it (a SPACE_* or AWS_* of the caller's shell would configure it).
+_INHERITED = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ")
+
+
+def server_environment(extra: dict[str, str]) -> dict[str, str]:
+    """The explicit environment of a server process of the tests: a few basics, keepalives every
+    second (so that every stream in the tests carries some) and what the test asks for."""
+    base = {k: os.environ[k] for k in _INHERITED if k in os.environ}
+    return {**base, "SPACE_SSE_KEEPALIVE": "1", **extra}
+
+
 def runtime_available() -> str | None:
     """None when real sandboxes can run here, else the reason they cannot."""
     if os.geteuid() != 0:
@@ -74,9 +86,7 @@ class Server:
             [SPACE, "serve", "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
              # No warm pool unless a test asks for one (--warm-pool N later wins).
              "--pool-size-gb", "16", "--max-upload-mb", "64", "--warm-pool", "0", *self.extra_args],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
-            # Keepalives every second so that every stream in the tests carries some.
-            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1", **self.env},
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=server_environment(self.env),
         )
         log.close()
         wait_for(self._healthy, 300, "the server to answer /healthz")
@@ -210,8 +220,7 @@ class NodeAgent:
              "--cache-dir", str(self.cache_dir), "--pool-size-gb", "16",
              "--object-store-url", self.object_store_url,
              "--register", server.url, "--api-key-file", str(key_file)],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
-            env={**os.environ, "SPACE_SSE_KEEPALIVE": "1", **self.env},
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=server_environment(self.env),
         )
         log.close()
         with server.client() as api:
