@@ -77,6 +77,11 @@ EXPLICIT: Final[Mapping[Role, tuple[str, ...]]] = {
 }
 
 
+#: Per role, names a process sets for itself: runsc is started through ``sh -c`` (the helper's
+#: launcher, which mounts the sandbox's root first), and a shell sets these of its own.
+SELF_SET: Final[Mapping[Role, tuple[str, ...]]] = {"runsc": ("PWD", "SHLVL", "_")}
+
+
 class EnvError(ValueError):
     """A caller asked for a name its child's role may not be given."""
 
@@ -84,7 +89,7 @@ class EnvError(ValueError):
 def names(role: str) -> frozenset[str]:
     """Every name a process of ``role`` may hold (what the e2e test checks ``/proc`` against)."""
     r = _role(role)
-    return frozenset(ALLOW[r]) | frozenset(EXPLICIT[r])
+    return frozenset(ALLOW[r]) | frozenset(EXPLICIT[r]) | frozenset(SELF_SET.get(r, ()))
 
 
 def build(role: Role, extra: Mapping[str, str] | None = None, *,
@@ -128,13 +133,13 @@ def confine_self(role: Role) -> None:
 
 
 def _wipe_initial_block() -> None:
-    """Overwrite the environment strings the kernel laid out at exec with zeros (fields 53-54 of
+    """Overwrite the environment strings the kernel laid out at exec with zeros (fields 50-51 of
     ``/proc/self/stat``: ``env_start``, ``env_end``). Nothing points into them any more: Python copied
     them at startup and :func:`confine_self` replaced libc's pointers first."""
     with open("/proc/self/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
-    # Fields after "(comm)" start at field 3: env_start is field 53, env_end field 54.
-    start, end = int(fields[53 - 3]), int(fields[54 - 3])
+    # The fields after "(comm)" start at field 3: env_start is field 50, env_end field 51.
+    start, end = int(fields[50 - 3]), int(fields[51 - 3])
     if 0 < start < end:
         ctypes.memset(start, 0, end - start)
 
