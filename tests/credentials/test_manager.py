@@ -270,8 +270,10 @@ async def test_most_specific_scope_wins(store: Store, creds: CredentialManager) 
 async def test_expired_secret_resolves_to_nothing(store: Store, creds: CredentialManager) -> None:
     sb = await sandbox(store, project="web", secrets=["S", "T"])
     await creds.set(MEMBER, "S", "tenant-value", hosts=["api.example.com"])
-    view, _ = await creds.set(MEMBER, "S", "project-value", hosts=["api.example.com"], scope="project:web", ttl_seconds=3600)
-    await creds.set(MEMBER, "T", "t", hosts=["api.example.com"], expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
+    view, _ = await creds.set(MEMBER, "S", "project-value", hosts=["api.example.com"], scope="project:web",
+                              ttl_seconds=3600)
+    await creds.set(MEMBER, "T", "t", hosts=["api.example.com"],
+                    expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
     assert view["expires_at"] is not None and not view["expired"]
     [r_s, r_t] = await creds.resolve(sb)
     assert r_s.expires_at == view["expires_at"] and r_t.expires_at is not None

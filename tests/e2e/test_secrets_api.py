@@ -90,7 +90,8 @@ def test_readonly_keys_list_but_do_not_change(server: Server, member: httpx.Clie
     assert member.put("/v1/secrets/S", json={"value": value(), "hosts": ["api.example.com"]}).status_code == 201
     with server.client(keys["readonly"]) as ro:
         assert [s["name"] for s in ro.get("/v1/secrets").json()["secrets"]] == ["S"]
-        for r in (ro.put("/v1/secrets/S", json={"value": "x", "hosts": ["api.example.com"]}), ro.delete("/v1/secrets/S")):
+        for r in (ro.put("/v1/secrets/S", json={"value": "x", "hosts": ["api.example.com"]}),
+                  ro.delete("/v1/secrets/S")):
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     assert [s["name"] for s in member.get("/v1/secrets").json()["secrets"]] == ["S"]
 
@@ -140,7 +141,8 @@ def test_unknown_fields_and_bad_types_are_refused(member: httpx.Client) -> None:
 def test_sandbox_scope(server: Server, member: httpx.Client, keys: dict[str, str]) -> None:
     sid = create_sandbox(member)
     try:
-        r = member.put("/v1/secrets/S", json={"value": value(), "hosts": ["api.example.com"], "scope": f"sandbox:{sid}"})
+        r = member.put("/v1/secrets/S", json={"value": value(), "hosts": ["api.example.com"],
+                                              "scope": f"sandbox:{sid}"})
         assert r.status_code == 201 and r.json()["scope"] == f"sandbox:{sid}"
         listed = member.get("/v1/secrets", params={"scope": f"sandbox:{sid}"}).json()["secrets"]
         assert [s["name"] for s in listed] == ["S"]
