@@ -57,9 +57,12 @@ ALLOW: Final[Mapping[Role, tuple[str, ...]]] = {
     "nodesup": ("PATH", *_LOGGING),
     # The node agent of ``space serve``.
     "node": ("PATH", *_LOGGING, *_NODE_SETTINGS),
-    # The API of ``space serve`` after it read its settings and secrets (:func:`confine_self`).
+    # The API of ``space serve`` after it read its settings and secrets (:func:`confine_self`): it
+    # starts no process, and keeps what libraries read later (TLS roots and proxies for its Vault
+    # client, the locale).
     "api": ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SSL_CERT_FILE",
-            "SSL_CERT_DIR", *_LOGGING, "SPACE_FAILPOINTS", "SPACE_CLAIM_GRACE"),
+            "SSL_CERT_DIR", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy",
+            *_LOGGING, "SPACE_FAILPOINTS", "SPACE_CLAIM_GRACE"),
 }
 
 #: Per role, the names a caller may set explicitly (``extra``): values SPACE itself decides.
