@@ -6,8 +6,8 @@ it must never see, and the echo need not be verbatim. What is looked for, for ea
 
 - its needles (:meth:`~space.gateway.registry.Secret.needles`: the header value, and the token
   after an auth scheme), and for a ``Basic`` value the decoded ``user:password`` and the password;
-  each also in ISO-8859-1 when it has non-ASCII characters that has (a header echoed by a server
-  that writes headers in Latin-1);
+  each also in ISO-8859-1 when its non-ASCII characters have a spelling there (a server that
+  writes headers in Latin-1 echoes an ``é`` as one byte);
 - the base64 of each (standard and URL alphabet, at any offset within a longer base64 text: the
   three alignments' stable characters);
 - each of those spelled with escapes, any character any way: JSON (``\\uXXXX`` in either case,
@@ -19,8 +19,12 @@ streamed body's Content-Length stays true). Streamed bodies are masked across ch
 
 Speed: most bodies hold no secret and no escape. Every literal form contains one of a few short
 *anchors* (the bare token is inside the header value, an alignment of its base64 inside the base64
-of the value), so a chunk is first searched for the anchors only (``bytes.__contains__``). Escapes
-are decoded only around the escape characters a chunk holds, and searched there.
+of the value), so a chunk is first searched for the anchors only (glibc's ``memmem``). Only the
+escapes that can stand for a character of an anchor are looked for (one literal-prefixed pattern
+per kind, skipped when a chunk lacks its first byte), and data is decoded only around them.
+Cost, measured on 64 KiB chunks of 16 MB bodies, CPU time (the old verbatim-only redactor in
+brackets): ``x`` * N 0.40 ms/MB (1.07), random bytes 1.57 (0.47), JSON text with ``\/`` and ``%20``
+1.40 (0.56).
 """
 
 from __future__ import annotations
@@ -193,8 +197,7 @@ class Redactor:
         #: and (less one) what a streamed body holds back.
         self.max_span = max(_max_spelling(lit) for lit in self.literals)
         chars = set().union(*(a.decode("utf-8", "replace") for a in self.anchors))
-        plus = " " in chars
-        # Two readings when a space matters: with "+" as a space, and without (base64 has "+").
+        plus = " " in chars  # then "+" may stand for it
         self._escapes = escapes_for(chars, plus=plus)
         # Which escapes to decode together. A character of the secret itself may look like the
         # start of an escape: "+" is a space only to a form decoder (and a base64 character), a
