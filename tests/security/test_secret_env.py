@@ -151,7 +151,9 @@ def test_no_process_of_the_server_holds_a_secret_or_a_name_its_role_does_not_all
     assert not extra, "names no allowlist gives the process:\n" + "\n".join(extra)
 
 
-def test_a_sandbox_cannot_read_the_secrets_from_the_gateway_or_its_own_environment(server: Server) -> None:
+@pytest.mark.probe("read the deployment's master key, AWS_* and a canary from the sandbox's own /proc/1/environ "
+                   "and env")
+def test_a_sandbox_cannot_read_the_secrets_from_its_own_environment(server: Server) -> None:
     """The guest's PID 1 and every command get only what the sandbox was given."""
     with server.client() as c:
         sid = create_sandbox(c)
