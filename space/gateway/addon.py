@@ -27,7 +27,7 @@ from mitmproxy import http
 from space.gateway.conns import Conn, Connections, Target
 from space.gateway.journal import Journal
 from space.gateway.policy import Decision, IPAddress
-from space.gateway.redact import Redactor, StreamRedactor, needles_of
+from space.gateway.redact import Redactor, StreamRedactor, needles_of, textual
 from space.gateway.registry import Entry, Registry, normalize_ip
 from space.gateway.resolver import Resolver
 from space.gateway.stats import Stats
@@ -239,7 +239,7 @@ class Gateway:
         except ValueError:
             length = None
         if encoding in ("", "identity") or (length is not None and length > MAX_BUFFERED):
-            resp.stream = StreamRedactor(red)
+            resp.stream = StreamRedactor(red, escapes=textual(resp.headers.get("content-type")))
         # else: buffered, redacted after decoding in ``response``
 
     def response(self, flow: http.HTTPFlow) -> None:
@@ -248,12 +248,13 @@ class Gateway:
         if resp is None or not needles or resp.stream or flow.metadata.get("space_generated"):
             return
         red = Redactor.of(needles)
+        escapes = textual(resp.headers.get("content-type"))
         try:
             body = resp.get_content(strict=True) or b""
         except ValueError:
-            resp.raw_content = red.mask(resp.raw_content or b"")
+            resp.raw_content = red.mask(resp.raw_content or b"", escapes=escapes)
             return
-        masked = red.mask(body)
+        masked = red.mask(body, escapes=escapes)
         if masked != body:
             resp.set_content(masked)
 

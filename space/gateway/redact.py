@@ -220,21 +220,34 @@ class Redactor:
 
     # ---- finding ----------------------------------------------------------------------------------
 
-    def spans(self, data: bytes) -> list[Span]:
-        """Where ``data`` shows a secret in any form: sorted, merged ``(start, end)`` pairs."""
+    def spans(self, data: bytes, *, escapes: bool = True) -> list[Span]:
+        """Where ``data`` shows a secret in any form: sorted, merged ``(start, end)`` pairs.
+        Without ``escapes``, only its literal forms (verbatim, base64): for binary media types."""
+        contains = _contains
         found: list[Span] = []
-        if any(_contains(data, a) for a in self.anchors):
-            found += self._literal_spans(data)
+        for a in self.anchors:
+            if contains(data, a):
+                found += self._literal_spans(data)
+                break
+        if not escapes:
+            return _merge(found) if len(found) > 1 else found
         # Each pattern starts with its literal, and a chunk without it needs no scan at all (most
         # hold no backslash, many no "%", binary data next to never a "\\u00"): the first byte is
-        # looked for at memchr's speed, then the whole literal at memmem's.
-        firsts = {lead[:1]: lead[:1] in data for lead, _ in self._escapes}
-        matches = {lead: list(p.finditer(data)) for lead, p in self._escapes
-                   if firsts[lead[:1]] and (len(lead) == 1 or _contains(data, lead))}
-        if any(matches.values()):
+        # looked for at memchr's speed, then the whole literal.
+        matches: dict[bytes, list[re.Match[bytes]]] = {}
+        present: dict[bytes, bool] = {}
+        for lead, pattern in self._escapes:
+            first = lead[:1]
+            if first not in present:
+                present[first] = first in data
+            if present[first] and (len(lead) == 1 or contains(data, lead)):
+                got = list(pattern.finditer(data))
+                if got:
+                    matches[lead] = got
+        if matches:
             for reading in self._readings:
                 found += self._escaped_spans(data, [m for lead in reading for m in matches.get(lead, ())])
-        return _merge(found)
+        return _merge(found) if len(found) > 1 else found
 
     def _literal_spans(self, data: bytes) -> list[Span]:
         out = []
@@ -309,9 +322,9 @@ class Redactor:
 
     # ---- masking ----------------------------------------------------------------------------------
 
-    def mask(self, data: bytes) -> bytes:
+    def mask(self, data: bytes, *, escapes: bool = True) -> bytes:
         """``data`` with every secret in it replaced by as many ``*``."""
-        return mask(data, self.spans(data))
+        return mask(data, self.spans(data, escapes=escapes))
 
     def redact_text(self, text: str) -> str:
         """A header value with every secret in it replaced by ``[REDACTED]``."""
@@ -365,21 +378,22 @@ class StreamRedactor:
     reaches into.
     """
 
-    def __init__(self, redactor: Redactor | Iterable[bytes]) -> None:
+    def __init__(self, redactor: Redactor | Iterable[bytes], *, escapes: bool = True) -> None:
         self.redactor = redactor if isinstance(redactor, Redactor) else Redactor.of(redactor)
+        self.escapes = escapes
         self.keep = self.redactor.max_span - 1
         self.tail = b""
         #: The first ``carry`` bytes of ``tail`` belong to a match found before.
         self.carry = 0
 
     def redact(self, data: bytes) -> bytes:
-        return self.redactor.mask(data)
+        return self.redactor.mask(data, escapes=self.escapes)
 
     def __call__(self, chunk: bytes) -> list[bytes]:
         if not chunk:  # the end of the body
             data, self.tail = self.tail, b""
-            out = mask(data, _merge([(0, self.carry), *self.redactor.spans(data)]) if self.carry
-                       else self.redactor.spans(data))
+            found = self.redactor.spans(data, escapes=self.escapes)
+            out = mask(data, _merge([(0, self.carry), *found]) if self.carry else found)
             self.carry = 0
             return [out] if out else []
         data = self.tail + chunk
@@ -387,12 +401,32 @@ class StreamRedactor:
         if cut <= 0:
             self.tail = data
             return []
-        spans = self.redactor.spans(data)
+        spans = self.redactor.spans(data, escapes=self.escapes)
         if self.carry:
             spans = _merge([(0, self.carry), *spans])
         self.carry = max((e - cut for s, e in spans if s < cut < e), default=0)
         self.tail = data[cut:]
         return [mask(data[:cut], ((s, min(e, cut)) for s, e in spans if s < cut))]
+
+
+#: Media types whose bodies are not text: no serializer writes JSON or percent escapes into them,
+#: so only a secret's literal forms are looked for there (a download goes at nearly full speed).
+#: Anything else, a missing or unknown type included, is searched for escaped forms too.
+BINARY_TYPES = frozenset({
+    "application/octet-stream", "application/zip", "application/gzip", "application/x-gzip", "application/zstd",
+    "application/x-xz", "application/x-bzip2", "application/x-tar", "application/x-7z-compressed",
+    "application/java-archive", "application/vnd.debian.binary-package", "application/x-rpm", "application/pdf",
+    "application/wasm", "application/grpc", "application/x-protobuf", "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip", "application/vnd.oci.image.layer.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+})
+_BINARY_PREFIXES = ("image/", "audio/", "video/", "font/")
+
+
+def textual(content_type: str | None) -> bool:
+    """Whether a body of this ``Content-Type`` may hold escaped text (False only for binary types)."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    return not (mime in BINARY_TYPES or mime.startswith(_BINARY_PREFIXES))
 
 
 def basic_needles(value: str) -> list[bytes]:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from space.credentials.manager import header_value, validate_format
-from space.gateway.redact import REDACTED_HEADER, Redactor, StreamRedactor, base64_cores, needles_of
+from space.gateway.redact import REDACTED_HEADER, Redactor, StreamRedactor, base64_cores, needles_of, textual
 from space.gateway.registry import Secret
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -245,3 +245,17 @@ def test_a_secret_holding_escape_characters(value: str, echo: bytes) -> None:
     body = b"<" + echo + b">"
     assert red.mask(body) == b"<" + b"*" * len(echo) + b">"
     assert stream(StreamRedactor(red), body, list(range(1, len(body)))) == red.mask(body)
+
+
+def test_binary_media_types_are_searched_for_literal_forms_only() -> None:
+    assert not textual("application/octet-stream") and not textual("image/png") and not textual("Application/Zip")
+    assert textual(None) and textual("") and textual("application/json; charset=utf-8") and textual("text/html")
+    assert textual("application/vnd.github+json") and textual("application/x-unknown")
+    secret = Secret.from_doc({"name": "n", "secret_id": "s", "hosts": ["x.com"], "header": "Authorization",
+                              "value": "Bearer sk-live-0123456789abcdef"})
+    red = Redactor.of(needles_of([secret]))
+    b64 = base64.b64encode(b"<<" + secret.value.encode()).decode()
+    body = f"raw {secret.value} b64 {b64} pct sk%2Dlive%2D0123456789abcdef".encode()
+    out = stream(StreamRedactor(red, escapes=False), body, list(range(3, len(body), 3)))
+    assert b"sk-live" not in out and not any(core in out for core in base64_cores(b"sk-live-0123456789abcdef"))
+    assert out.endswith(b"pct sk%2Dlive%2D0123456789abcdef")  # escapes are not decoded in a binary body

@@ -87,14 +87,15 @@ def test_the_gateway_refuses_a_secret_for_every_host() -> None:
     from space.gateway.registry import Registry
 
     reg = Registry()
-    doc = {"ip": "10.208.0.2", "sandbox": "sb", "tenant": "acme", "policy": {"allow": ["*"]},
-           "secrets": [{"name": "S", "secret_id": "s1", "hosts": ["*"], "header": "Authorization",
-                        "value": "Bearer " + VALUE}]}
+    secret: dict[str, Any] = {"name": "S", "secret_id": "s1", "hosts": ["*"], "header": "Authorization",
+                              "value": "Bearer " + VALUE}
+    doc: dict[str, Any] = {"ip": "10.208.0.2", "sandbox": "sb", "tenant": "acme", "policy": {"allow": ["*"]},
+                           "secrets": [secret]}
     with pytest.raises(InvalidRequest, match="every host"):
         reg.put(doc)
     assert reg.get("10.208.0.2") is None
     # The egress policy itself may still say "*": that is not a secret's binding.
-    reg.put({**doc, "secrets": [{**doc["secrets"][0], "hosts": ["api.example.com"]}]})
+    reg.put({**doc, "secrets": [{**secret, "hosts": ["api.example.com"]}]})
 
 
 def test_public_suffix_rules() -> None:

@@ -69,7 +69,7 @@ class EncodingEcho(BaseHTTPRequestHandler):
         echoed = ENCODINGS[encoding][0](PARTS[part](auth)) if auth.startswith("Basic ") else "no credential"
         body = f"you sent: {echoed}\n".encode()
         self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Type", "application/octet-stream" if transfer == "binary" else "text/plain")
         self.send_header("X-Echo", echoed)
         if transfer == "gzip":
             body = gzip.compress(body)
@@ -142,3 +142,17 @@ def test_an_echoed_credential_never_reaches_the_sandbox(gw: Gateway, echo_port: 
         for shown in (echoed, _undo(encoding, echoed)):
             for secret in (VALUE, TOKEN, PAIR, PASSWORD):
                 assert secret not in shown, f"{where} ({part}, {encoding}, {transfer}) shows {secret!r}: {echoed!r}"
+
+
+@pytest.mark.parametrize("encoding", ["verbatim", "base64", "base64url_in_text"])
+@pytest.mark.parametrize("part", list(PARTS))
+def test_a_binary_body_is_searched_for_the_literal_forms(gw: Gateway, echo_port: int, part: str,
+                                                         encoding: str) -> None:
+    """A body of a binary media type is not searched for JSON or percent escapes (no serializer
+    writes them there), but still for the secret verbatim and in base64."""
+    status, body, headers, _ = gw.https(SB1, "api.test", echo_port, f"/{part}/{encoding}?transfer=binary")
+    assert status == 200 and headers["content-type"] == "application/octet-stream"
+    echoed = body.decode("utf-8", "replace").removeprefix("you sent: ").rstrip("\n")
+    for shown in (echoed, _undo(encoding, echoed), headers.get("x-echo", "")):
+        for secret in (VALUE, TOKEN, PAIR, PASSWORD):
+            assert secret not in shown, f"{part}, {encoding}: {echoed!r}"
