@@ -30,7 +30,7 @@ PIN
 fi
 
 apt_install btrfs-progs debootstrap iproute2 util-linux python3-venv ca-certificates \
-  postgresql zstd procps gcc libc6-dev nftables acl
+  postgresql zstd procps gcc libc6-dev nftables acl publicsuffix
 # (The version is captured first: `runsc --version | grep -q` under pipefail fails whenever grep
 # exits before runsc has written everything, which reinstalled runsc or ended this script early.)
 runsc_version="$(runsc --version 2>/dev/null || true)"

@@ -1,8 +1,12 @@
 """The root supervisor of the all-in-one node agent (``python -m space.nodesup``).
 
 ``space serve`` starts it, as root, before dropping its own privileges (:mod:`space.privdrop`): an
-unprivileged parent can neither restart a root node agent nor signal it. The supervisor reads the
-node agent's argv (one JSON line) on stdin, runs it, and, once the parent has written a line saying
+unprivileged parent can neither restart a root node agent nor signal it. The supervisor reads what
+to run (one JSON line) on stdin: ``{"argv": [...], "env": {...}, "secrets": {...}}`` (a bare argv list
+means no env and no secrets). The node agent gets the ``env`` names :mod:`space.childenv` allows it
+and nothing else; ``secrets`` (the object store's credentials) it reads from a pipe whose read end
+it inherits as ``--secrets-fd N``, written anew for every start, so that they never sit in any
+process's environment. The supervisor runs the node agent, and, once the parent has written a line saying
 it is ready, starts it again whenever it exits (at once after a long run, backing off up to 30 s
 while it keeps dying young); a node agent that dies before that ends the supervisor with its exit
 status, so that a node that cannot start fails ``space serve`` at once. It stops the node agent
@@ -25,6 +29,8 @@ import time
 
 import structlog
 
+from space import childenv
+
 log = structlog.get_logger("space.nodesup")
 
 PR_SET_PDEATHSIG = 1
@@ -32,11 +38,18 @@ STOP_GRACE = 15.0
 #: A node agent that ran this long before exiting is restarted at once.
 HEALTHY_RUN = 10.0
 MAX_BACKOFF = 30.0
+#: The secrets go through a pipe written before the node agent starts: they must fit its buffer.
+MAX_SECRETS = 60 * 1024
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], control_fd: int = 0) -> None:
+    def __init__(self, argv: list[str], control_fd: int = 0, *, env: dict[str, str] | None = None,
+                 secrets: dict[str, dict[str, str]] | None = None) -> None:
         self.argv = argv
+        self.env = env or {}
+        self.secrets = json.dumps(secrets).encode() if secrets else None
+        if self.secrets is not None and len(self.secrets) > MAX_SECRETS:
+            raise SystemExit(f"space.nodesup: the node agent's secrets exceed {MAX_SECRETS} bytes")
         self.control_fd = control_fd
         self.stopping = False
         #: The parent saw the node agent answer: from now on an exit is a crash to recover from.
@@ -53,7 +66,7 @@ class Supervisor:
         backoff = 0.0
         while not self.stopping:
             started = time.monotonic()
-            proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+            proc = self._start()
             log.info("node.started", pid=proc.pid)
             pidfd = os.pidfd_open(proc.pid)
             self.sel.register(pidfd, selectors.EVENT_READ, "node")
@@ -75,6 +88,24 @@ class Supervisor:
             if backoff:
                 self._wait(backoff, want_node=False)
         return 0
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        """The node agent, with its allowed environment and, on a fresh pipe, its secrets."""
+        argv, fds = list(self.argv), []
+        if self.secrets is not None:
+            r, w = os.pipe()
+            try:
+                os.write(w, self.secrets)  # fits the pipe's buffer (MAX_SECRETS): never blocks
+            finally:
+                os.close(w)
+            argv += ["--secrets-fd", str(r)]
+            fds.append(r)
+        try:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=fds,
+                                    env=childenv.build("node", source=self.env))
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
@@ -128,10 +159,25 @@ def main() -> None:
         if not chunk:
             return
         line += chunk
-    argv = json.loads(line)
+    sys.exit(_supervisor(json.loads(line)).run())
+
+
+def _supervisor(doc: object) -> Supervisor:
+    """What the parent's line asks for; SystemExit saying what is wrong with it."""
+    if isinstance(doc, list):
+        doc = {"argv": doc}
+    if not isinstance(doc, dict):
+        raise SystemExit("space.nodesup: stdin must start with a JSON object (argv, env, secrets)")
+    argv, env, secrets = doc.get("argv"), doc.get("env") or {}, doc.get("secrets") or {}
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        raise SystemExit("space.nodesup: stdin must start with a JSON list of strings (the node's argv)")
-    sys.exit(Supervisor(argv).run())
+        raise SystemExit("space.nodesup: 'argv' must be a list of strings (the node's argv)")
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise SystemExit("space.nodesup: 'env' must map names to strings")
+    if not (isinstance(secrets, dict) and all(
+            isinstance(group, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in group.items())
+            for group in secrets.values())):
+        raise SystemExit("space.nodesup: 'secrets' must map groups to {name: string}")
+    return Supervisor(argv, env=env, secrets=secrets)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 ``ObjectStore.from_url`` takes a plain path or ``file://`` URL (a directory on this machine: the
 all-in-one setup) or ``s3://bucket/prefix?endpoint=...&region=...&allow_http=...`` (any
-S3-compatible store; credentials come from the standard ``AWS_*`` environment variables, never
-from the URL, so URLs are safe to log).
+S3-compatible store; credentials come from the standard ``AWS_*`` variables, never from the URL, so
+URLs are safe to log). Those variables are read from the mapping the caller passes (``env``; by
+default this process's environment) and handed to the store as its configuration: the node agent of
+``space serve`` gets them on a pipe (:mod:`space.nodesup`), not in its environment.
 
 Keys are ``/``-separated paths relative to the store's root; a key that could escape it (a ``..``
 or ``.`` segment, a leading ``/``, a backslash) is refused. Large objects stream both ways: an
@@ -27,7 +29,7 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -68,6 +70,18 @@ IO_CHUNK = 1 << 20
 _HASH_IN_THREAD = 256 << 10
 
 _S3_QUERY_PARAMS = frozenset({"endpoint", "region", "allow_http"})
+#: The ``AWS_*`` variables an S3 store is configured from: obstore's S3Config keys, as variables.
+S3_ENV = frozenset(f"AWS_{k.upper()}" for k in (
+    "access_key_id", "secret_access_key", "session_token", "token", "default_region", "region", "endpoint",
+    "endpoint_url", "endpoint_url_s3", "checksum_algorithm", "conditional_put",
+    "container_credentials_relative_uri", "container_credentials_full_uri",
+    "container_authorization_token_file", "copy_if_not_exists", "disable_tagging", "imdsv1_fallback",
+    "metadata_endpoint", "request_payer", "role_arn", "role_session_name", "s3_express", "server_side_encryption",
+    "skip_signature", "sse_bucket_key_enabled", "sse_kms_key_id", "unsigned_payload",
+    "virtual_hosted_style_request", "web_identity_token_file",
+))
+#: Of those, the ones a URL's ``endpoint=`` replaces.
+_ENDPOINT_ENV = frozenset({"AWS_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -90,6 +104,11 @@ class PutResult:
 
     size: int
     sha256: str
+
+
+def s3_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``AWS_*`` settings of an S3 store in ``env`` (credentials among them)."""
+    return {k: v for k, v in env.items() if k in S3_ENV}
 
 
 def check_key(key: str, *, allow_empty: bool = False) -> str:
@@ -124,11 +143,13 @@ class ObjectStore:
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_url(cls, url: str, *, max_retries: int = 5, retry_timeout: float = 60.0) -> ObjectStore:
+    def from_url(cls, url: str, *, max_retries: int = 5, retry_timeout: float = 60.0,
+                 env: Mapping[str, str] | None = None) -> ObjectStore:
         """Open the store a URL names: a path, ``file:///dir`` or ``s3://bucket/prefix?...``.
 
         ``max_retries`` / ``retry_timeout`` bound how long one S3 request keeps retrying transient
-        failures before it fails with :class:`Unavailable`.
+        failures before it fails with :class:`Unavailable`. ``env``: where the ``AWS_*`` settings
+        of an S3 store come from (default: this process's environment).
         """
         if not url:
             raise InvalidRequest("the object store URL is empty")
@@ -140,7 +161,8 @@ class ObjectStore:
                 raise InvalidRequest(f"a file:// object store URL names a local directory, not {url!r}")
             return cls._local(Path(unquote(parts.path)), url)
         if parts.scheme == "s3":
-            return cls._s3(url, max_retries=max_retries, retry_timeout=retry_timeout)
+            return cls._s3(url, max_retries=max_retries, retry_timeout=retry_timeout,
+                           env=os.environ if env is None else env)
         raise InvalidRequest(f"unsupported object store URL {url!r}: use a directory path, file:// or s3://")
 
     @classmethod
@@ -156,7 +178,7 @@ class ObjectStore:
         return cls(store, url=url, description=f"local directory {root}")
 
     @classmethod
-    def _s3(cls, url: str, *, max_retries: int, retry_timeout: float) -> ObjectStore:
+    def _s3(cls, url: str, *, max_retries: int, retry_timeout: float, env: Mapping[str, str]) -> ObjectStore:
         parts = urlsplit(url)
         if "@" in parts.netloc:
             raise InvalidRequest("credentials do not belong in the object store URL: "
@@ -182,10 +204,13 @@ class ObjectStore:
         else:
             # An explicit http:// endpoint (MinIO, a test server) is consent enough.
             allow_http = bool(endpoint and endpoint.startswith("http://"))
-        config: dict[str, Any] = {}
+        config: dict[str, Any] = {k.lower(): v for k, v in s3_env(env).items()
+                                  if not (endpoint and k in _ENDPOINT_ENV)}
         if endpoint:
             config["endpoint"] = endpoint
         if query.get("region"):
+            config.pop("aws_region", None)
+            config.pop("aws_default_region", None)
             config["region"] = query["region"]
         try:
             store = S3Store(

@@ -3,6 +3,12 @@
 The API and the controller run in this process; the node agent runs as a child process (it would be
 a separate host in a cluster) and is reached only through its authenticated node API over a unix
 socket. Sandboxes run in their own sessions and outlive both: a restarted server adopts them.
+
+What the operator's environment holds (the master key, the object store's ``AWS_*`` credentials, a
+Vault token) is read once at the start (:func:`space.childenv.snapshot`); then this process's own
+environment is cut down to the API's allowlist (:func:`space.childenv.confine_self`). The node
+agent's supervisor and the node agent get environments built from their own allowlists, and the
+object store's credentials reach the node agent on a pipe (:mod:`space.nodesup`), never by env.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
 import uvicorn
 
-from space import privdrop, serve_state
+from space import childenv, privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
@@ -33,7 +40,7 @@ from space.httpserver import BoundedHttp
 from space.node.client import NodeClient
 from space.node.main import channel_dir_for
 from space.node.templates import BASE_SPEC
-from space.objstore import ObjectStore
+from space.objstore import ObjectStore, s3_env
 from space.store import Store
 from space.web import GracefulServer
 
@@ -60,11 +67,14 @@ class NodeProcess:
     neither start a root process nor signal one."""
 
     def __init__(self, settings: ServeSettings, socket: Path, token_file: Path,
-                 socket_group: int | None = None) -> None:
+                 socket_group: int | None = None, *, env: Mapping[str, str] | None = None) -> None:
         self.settings = settings
         self.socket = socket
         self.token_file = token_file
         self.socket_group = socket_group
+        #: The operator's environment as the server started (what the node agent's allowlist and
+        #: its object store credentials are taken from).
+        self.env: Mapping[str, str] = dict(os.environ) if env is None else env
         #: The supervisor.
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -85,10 +95,14 @@ class NodeProcess:
             argv += ["--egress-private", net]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
+        url = s.resolved_object_store_url()
+        secrets = {"object_store": s3_env(self.env)} if url.startswith("s3://") else {}
+        doc = {"argv": argv, "env": childenv.build("node", source=self.env), "secrets": secrets}
         # The argv goes on stdin, not the command line: only the node agent itself is "node run".
-        self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE,
+                                     env=childenv.build("nodesup", source=self.env))
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
+        self.proc.stdin.write(json.dumps(doc).encode() + b"\n")
         self.proc.stdin.flush()
         log.info("node.spawned", supervisor=self.proc.pid)
 
@@ -193,6 +207,10 @@ async def seed_warm_pool(st: AppState, data_dir: Path, size: int) -> None:
 
 
 async def serve(settings: ServeSettings) -> None:
+    # Read once, then gone from this process's environment (and /proc/<pid>/environ): from here on
+    # the settings and secrets are passed by name to what needs them.
+    env = childenv.snapshot()
+    childenv.confine_self("api")
     data = settings.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
     os.chmod(data, 0o700)
@@ -203,9 +221,9 @@ async def serve(settings: ServeSettings) -> None:
     token = _secret_file(token_file)
     socket = channel_dir_for(data) / "node.sock"
     if user is not None:
-        serve_state.own_serve_state(settings, user)
+        serve_state.own_serve_state(settings, user, env=env)
 
-    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None)
+    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None, env=env)
     node.start()
     client = NodeClient(NODE_ID, f"unix://{socket}", token)
     store: Store | None = None
@@ -223,11 +241,11 @@ async def serve(settings: ServeSettings) -> None:
         await ensure_admin_key(store, data, settings.operator_tenant)
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
         nodes = NodeRegistry(store)
-        objects = ObjectStore.from_url(settings.resolved_object_store_url())
+        objects = ObjectStore.from_url(settings.resolved_object_store_url(), env=env)
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
                                 objects=objects)
         await controller.sync_templates()
-        credentials = build_manager(store, data)
+        credentials = build_manager(store, data, env=env)
         controller.lifecycle.credentials = credentials
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes, credentials=credentials,

@@ -26,6 +26,7 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -66,8 +67,9 @@ def migrate_layout(settings: ServeSettings) -> None:
     log.info("layout.migrated", moved=moving, to=str(ctl))
 
 
-def own_serve_state(settings: ServeSettings, user: ServiceUser) -> None:
-    """As root, before the drop: give ``user`` what the API and controller write (module doc)."""
+def own_serve_state(settings: ServeSettings, user: ServiceUser, env: Mapping[str, str] | None = None) -> None:
+    """As root, before the drop: give ``user`` what the API and controller write (module doc).
+    ``env``: the server's environment as it started (default: this process's)."""
     data = settings.data_dir.resolve()
     os.chown(data, 0, user.gid)
     os.chmod(data, 0o710)
@@ -85,7 +87,7 @@ def own_serve_state(settings: ServeSettings, user: ServiceUser) -> None:
         for suffix in ("", "-wal", "-shm", "-journal"):
             _give(db.with_name(db.name + suffix), user)
 
-    if "SPACE_MASTER_KEY" not in os.environ and not (data / "master.key").exists():
+    if "SPACE_MASTER_KEY" not in (os.environ if env is None else env) and not (data / "master.key").exists():
         from space.credentials import Keyring
 
         Keyring.load(data, env={})  # makes it, 0600

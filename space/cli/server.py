@@ -116,6 +116,9 @@ def node_run(
         help="A private range sandbox egress policies may open on this node (repeatable; give every "
              "node the deployment's ceiling). None by default.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    secrets_fd: Annotated[int | None, typer.Option(
+        "--secrets-fd", hidden=True,
+        help="An inherited pipe holding the node's secrets as JSON (space serve's supervisor writes it).")] = None,
 ) -> None:
     """Run a node agent."""
     from space import logs
@@ -126,6 +129,7 @@ def node_run(
     if register is not None and (listen is None or api_key_file is None):
         raise typer.BadParameter("--register needs --listen and --api-key-file")
     logs.configure(log_level)
+    secrets = read_secrets(secrets_fd) if secrets_fd is not None else None
     run(NodeSettings(
         data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
@@ -133,7 +137,35 @@ def node_run(
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
         network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
         egress_ceiling=_ceiling(egress_private),
+        object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
     ))
+
+
+#: The largest secrets document a node agent reads (its supervisor's limit is lower).
+MAX_SECRETS = 64 * 1024
+
+
+def read_secrets(fd: int) -> dict[str, dict[str, str]]:
+    """The JSON document ``{group: {name: value}}`` on an inherited pipe, which is then closed."""
+    import json
+
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+            if len(data) > MAX_SECRETS:
+                raise typer.BadParameter(f"--secrets-fd: more than {MAX_SECRETS} bytes")
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        raise typer.BadParameter("--secrets-fd: not JSON") from None
+    if not (isinstance(doc, dict) and all(
+            isinstance(g, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in g.items())
+            for g in doc.values())):
+        raise typer.BadParameter("--secrets-fd: want {group: {name: string}}")
+    return doc
 
 
 @node_app.command("teardown")

@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from space import secret_hosts
 from space.api.auth import Principal
 from space.credentials.backends import Backends, BuiltinBackend
 from space.egress_policy import validate_host_pattern
@@ -178,6 +179,7 @@ def validate_hosts(hosts: Iterable[str] | None) -> list[str]:
         raise InvalidRequest("a secret needs at least one host pattern it is injected for", field="hosts")
     if len(found) > MAX_HOSTS:
         raise InvalidRequest(f"a secret may name at most {MAX_HOSTS} host patterns", field="hosts")
+    secret_hosts.check(found)  # never '*' nor '*.<public suffix>', whoever asks (docs/notes/secrets.md)
     return found
 
 
@@ -351,6 +353,15 @@ class CredentialManager:
                 if row is None:
                     audit("secret.resolve", "not_found", name=n, scopes=scopes)
                     continue
+                broad = [h for h in row.hosts or () if secret_hosts.too_broad(h) is not None]
+                hosts = tuple(h for h in row.hosts or () if h not in broad)
+                if broad:
+                    # Written before patterns were checked (or into the database directly): the
+                    # broad ones never reach a gateway.
+                    audit("secret.refused", "denied", name=n, scope=row.scope, secret_id=row.id, hosts=broad,
+                          reason="host pattern too broad")
+                    if not hosts:
+                        continue
                 if row.expires_at is not None and row.expires_at <= now:
                     audit("secret.expired", "denied", name=n, scope=row.scope, secret_id=row.id,
                           expires_at=row.expires_at.isoformat())
@@ -361,7 +372,7 @@ class CredentialManager:
                     audit("secret.resolve", e.code, name=n, scope=row.scope, secret_id=row.id)
                     raise
                 out.append(ResolvedSecret(
-                    name=n, scope=row.scope, secret_id=row.id, hosts=tuple(row.hosts or ()), header=row.header,
+                    name=n, scope=row.scope, secret_id=row.id, hosts=hosts, header=row.header,
                     value=header_value(row.format, raw),
                     expires_at=row.expires_at.isoformat() if row.expires_at else None, rate_limit=row.rate_limit))
                 audit("secret.resolve", "ok", name=n, scope=row.scope, secret_id=row.id)

@@ -31,7 +31,7 @@ from mitmproxy import http
 from space.egress_policy import Decision, IPAddress, canonical, classify_host
 from space.gateway.conns import Conn, Connections, Target
 from space.gateway.journal import Journal
-from space.gateway.redact import StreamRedactor, needles_of, redact_text
+from space.gateway.redact import Redactor, StreamRedactor, needles_of, textual
 from space.gateway.registry import Entry, Registry, normalize_ip
 from space.gateway.resolver import Resolver
 from space.gateway.stats import Stats
@@ -235,17 +235,19 @@ class Gateway:
         if not needles:
             resp.stream = True  # nothing to look at: never buffer
             return
+        red = Redactor.of(needles)
         for name in list(resp.headers.keys()):
             values = resp.headers.get_all(name)
-            if any(n.decode(errors="replace") in v for v in values for n in needles):
-                resp.headers.set_all(name, [redact_text(v, needles) for v in values])
+            redacted = [red.redact_text(v) for v in values]
+            if redacted != values:
+                resp.headers.set_all(name, redacted)
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         try:
             length: int | None = int(resp.headers.get("content-length", ""))
         except ValueError:
             length = None
         if encoding in ("", "identity") or (length is not None and length > MAX_BUFFERED):
-            resp.stream = StreamRedactor(needles)
+            resp.stream = StreamRedactor(red, escapes=textual(resp.headers.get("content-type")))
         # else: buffered, redacted after decoding in ``response``
 
     def response(self, flow: http.HTTPFlow) -> None:
@@ -253,15 +255,16 @@ class Gateway:
         needles: list[bytes] | None = flow.metadata.get("space_needles")
         if resp is None or not needles or resp.stream or flow.metadata.get("space_generated"):
             return
+        red = Redactor.of(needles)
+        escapes = textual(resp.headers.get("content-type"))
         try:
             body = resp.get_content(strict=True) or b""
         except ValueError:
-            raw = resp.raw_content or b""
-            resp.raw_content = StreamRedactor(needles).redact(raw)
+            resp.raw_content = red.mask(resp.raw_content or b"", escapes=escapes)
             return
-        red = StreamRedactor(needles).redact(body)
-        if red != body:
-            resp.set_content(red)
+        masked = red.mask(body, escapes=escapes)
+        if masked != body:
+            resp.set_content(masked)
 
     # ---- upstream connections ----------------------------------------------------------------------
 

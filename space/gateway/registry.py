@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from space import secret_hosts
 from space.egress_policy import (
     Egress,
     Fence,
@@ -83,8 +84,10 @@ class Secret:
         rate = doc.get("rate_limit")
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int) or rate < 1):
             raise InvalidRequest("secret 'rate_limit' must be a positive integer (per minute) or null")
+        patterns = tuple(validate_host_pattern(str(h)) for h in hosts)
+        secret_hosts.check(patterns)  # the control plane refuses them already: never inject one
         return cls(name=str(doc["name"]), secret_id=str(doc["secret_id"]),
-                   hosts=tuple(validate_host_pattern(str(h)) for h in hosts), header=header, value=value,
+                   hosts=patterns, header=header, value=value,
                    expires_at=_parse_time(doc.get("expires_at")), rate_limit=rate)
 
     def matches(self, host: str) -> bool:

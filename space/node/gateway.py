@@ -5,11 +5,12 @@ libraries the node agent needs newer) listens on the node's gateway address. Lik
 it lives in its own session, so a restarted node agent finds it still running, with its open
 connections and the secrets it holds, and adopts it through its pid file and control socket.
 
-It parses the sandboxes' traffic, so it runs as its own system user (``space-gw``, made by
-``scripts/setup-system.sh``) when the agent is root: dropped in the child before exec (no
-supplementary groups, real/effective/saved ids, no capabilities, NoNewPrivs), checked in
-``/proc/<pid>/status`` once it runs. Nothing it does needs privileges: DNS listens on a high port
-(``GatewayPorts.dns``; nftables redirects the sandboxes' port 53 to it).
+It parses the sandboxes' traffic, so it gets no environment but a ``PATH`` (nothing of the
+node's settings or secrets: :func:`space.childenv.build`) and runs as its own system user
+(``space-gw``, made by ``scripts/setup-system.sh``) when the agent is root: dropped in the child
+before exec (no supplementary groups, real/effective/saved ids, no capabilities, NoNewPrivs),
+checked in ``/proc/<pid>/status`` once it runs. Nothing it does needs privileges: DNS listens on a
+high port (``GatewayPorts.dns``; nftables redirects the sandboxes' port 53 to it).
 
 ``<data>`` is closed to that user (0710 root:space), so the gateway reaches what it needs through
 descriptors the agent opens and hands over: its control socket already listening (0660, group
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from space import childenv
 from space.errors import Unavailable
 
 if TYPE_CHECKING:
@@ -363,7 +365,7 @@ class GatewayProcess:
                 proc = subprocess.Popen(  # a fork+exec, quick enough inline
                     self.argv(fds), stdin=subprocess.DEVNULL, stdout=fds["log"], stderr=fds["log"],
                     pass_fds=[fd for k, fd in fds.items() if k != "log"], start_new_session=True,
-                    cwd="/", **drop,
+                    cwd="/", env=childenv.build("gateway"), **drop,
                 )
             finally:
                 sock.close()

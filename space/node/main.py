@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from space import childenv
 from space import guest as guest_pkg
 from space.node.app import create_node_app
 from space.node.egress import Egress
@@ -65,6 +66,9 @@ class NodeSettings:
     die_with_parent: bool = False
     #: Object store for suspended sandboxes and shipped templates: a directory or an ``s3://`` URL.
     object_store_url: str | None = None
+    #: The ``AWS_*`` settings of an S3 object store, when given explicitly (``space serve``'s node
+    #: agent reads them from ``--secrets-fd``); None: from this process's environment.
+    object_store_env: dict[str, str] | None = dataclasses.field(default=None, repr=False)
     #: Control plane to register with on start (multi-node), with an admin API key.
     register_url: str | None = None
     register_key: str | None = None
@@ -128,7 +132,8 @@ def _build_spawn_helper(d: Path) -> None:
         log.warning("guest.spawn_helper_unavailable", reason="no C compiler")
         return
     tmp = d / f".space-spawn.{os.getpid()}"
-    res = subprocess.run([cc, "-O2", "-static", "-o", str(tmp), str(src)], capture_output=True, text=True)
+    res = subprocess.run([cc, "-O2", "-static", "-o", str(tmp), str(src)], capture_output=True, text=True,
+                         env=childenv.tool())
     if res.returncode != 0:
         log.warning("guest.spawn_helper_build_failed", stderr=res.stderr[-500:])
         tmp.unlink(missing_ok=True)
@@ -215,7 +220,8 @@ async def build_node(settings: NodeSettings) -> Node:
         prepare_channel_dir(settings, None)
         priv = InProcess(ctx)
     pool.priv = priv
-    objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
+    objects = (ObjectStore.from_url(settings.object_store_url, env=settings.object_store_env)
+               if settings.object_store_url else None)
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None

@@ -5,6 +5,9 @@ root helper process can serve exactly these calls from an allowlist while the ag
 root. Failures become :class:`~space.errors.RuntimeFailure` naming the command and the tail of its
 stderr; a command that outlives its timeout is killed with its whole process group (debootstrap and
 dpkg fork children) and raises :class:`~space.errors.Timeout`. Cancellation kills the same way.
+
+Every command gets the environment of a host tool (:func:`space.childenv.tool`: a ``PATH``) plus
+the names its caller passes as ``env``; never this process's own, which may hold secrets.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import IO, Any
 
 import structlog
 
+from space import childenv
 from space.errors import RuntimeFailure, Timeout
 
 log = structlog.get_logger(__name__)
@@ -48,14 +52,6 @@ def _tail(data: bytes | str) -> str:
     return text.strip()[-TAIL_CHARS:]
 
 
-def _env(extra: Mapping[str, str] | None) -> dict[str, str] | None:
-    if not extra:
-        return None
-    env = dict(os.environ)
-    env.update(extra)
-    return env
-
-
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
     # Every child runs in its own session, so its pid is its process group id.
     if proc.returncode is None:
@@ -69,11 +65,12 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
+async def spawn(*argv: str, env: Mapping[str, str] | None = None, **kwargs: Any) -> asyncio.subprocess.Process:
     """``create_subprocess_exec`` that a cancellation cannot split from its child: cancelled while
     the process is being started, it waits for the start and kills the new process group (asyncio
-    alone would kill only the direct child, and leave a grandchild such as ``sleep`` running)."""
-    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, **kwargs))
+    alone would kill only the direct child, and leave a grandchild such as ``sleep`` running).
+    ``env``: what the command gets besides a tool's environment (:func:`space.childenv.tool`)."""
+    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, env=childenv.tool(env), **kwargs))
     try:
         return await asyncio.shield(starting)
     except asyncio.CancelledError:
@@ -103,7 +100,7 @@ async def run(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
-        env=_env(env),
+        env=env,
         pass_fds=tuple(pass_fds),
     )
     try:
@@ -150,7 +147,7 @@ async def stream_lines(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        env=_env(env),
+        env=env,
     )
     assert proc.stdout is not None
     try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from space import childenv
 from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
 from space.node import snapshots
 from space.node.artifacts import Artifact, download_snapshot, upload_snapshot
@@ -49,6 +50,7 @@ async def _spawn(*argv: str, stdin: int | None, stdout: int | None) -> asyncio.s
         stdout=stdout if stdout is not None else asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
+        env=childenv.tool(),
     )
 
 

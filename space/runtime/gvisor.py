@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from space import childenv
 from space.errors import InvalidPath, RuntimeFailure
 from space.node import privileged
 from space.node.helper.backend import Privileged
@@ -87,7 +88,7 @@ class GVisorDriver:
                 stderr=open(spec.workdir / "shim.log", "ab"),  # noqa: SIM115, ASYNC230 -- handed to the child
                 start_new_session=True,  # survives the node agent
                 cwd="/",
-                env=_shim_env(),
+                env=childenv.build("shim", {"PYTHONPATH": _package_root()}),
             )
             guest_log = open(spec.workdir / "guest.log", "ab")  # noqa: SIM115, ASYNC230
             try:
@@ -203,10 +204,9 @@ class GVisorDriver:
 _FREEZER = Path("/sys/fs/cgroup/freezer/space")
 
 
-def _shim_env() -> dict[str, str]:
-    # The shim imports only space.runtime.shim and the stdlib: give it the package path, nothing else.
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    return {"PYTHONPATH": pkg_root, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+def _package_root() -> str:
+    # The shim runs with -S (no site-packages) and imports only space.runtime.shim and the stdlib.
+    return str(Path(__file__).resolve().parents[2])
 
 
 def _kill_pidfile(pidfile: Path) -> None:

@@ -103,8 +103,8 @@ async def test_formats(store: Store, creds: CredentialManager, fmt: str, value: 
 
 
 async def test_delete(store: Store, creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"], scope="project:web")
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"], scope="project:web")
     await creds.delete(MEMBER, "S")
     assert [(s["name"], s["scope"]) for s in await creds.list(MEMBER)] == [("S", "project:web")]
     with pytest.raises(NotFound, match="secret S not found in scope tenant"):
@@ -116,7 +116,7 @@ async def test_delete(store: Store, creds: CredentialManager) -> None:
 
 
 async def test_tenants_are_isolated(store: Store, creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     assert await creds.list(OTHER) == []
     with pytest.raises(NotFound):
         await creds.delete(OTHER, "S")
@@ -124,13 +124,13 @@ async def test_tenants_are_isolated(store: Store, creds: CredentialManager) -> N
     assert await creds.resolve(other_sb) == []
     mine = await sandbox(store)
     with pytest.raises(NotFound):  # another tenant's sandbox is as good as missing
-        await creds.set(OTHER, "S", VALUE, hosts=["*"], scope=f"sandbox:{mine.id}")
+        await creds.set(OTHER, "S", VALUE, hosts=["api.example.com"], scope=f"sandbox:{mine.id}")
     assert len(await creds.list(MEMBER)) == 1
 
 
 async def test_list_by_scope(creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "A", "1", hosts=["*"])
-    await creds.set(MEMBER, "B", "2", hosts=["*"], scope="project:web")
+    await creds.set(MEMBER, "A", "1", hosts=["api.example.com"])
+    await creds.set(MEMBER, "B", "2", hosts=["api.example.com"], scope="project:web")
     assert [s["name"] for s in await creds.list(MEMBER, "project:web")] == ["B"]
     assert [s["name"] for s in await creds.list(MEMBER, "tenant")] == ["A"]
     with pytest.raises(InvalidRequest, match="invalid scope"):
@@ -178,19 +178,19 @@ async def test_validation_errors(store: Store, creds: CredentialManager, change:
 
 
 async def test_value_size_limit(creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "S", "x" * 16384, hosts=["*"])
+    await creds.set(MEMBER, "S", "x" * 16384, hosts=["api.example.com"])
     with pytest.raises(PayloadTooLarge):
-        await creds.set(MEMBER, "S", "x" * 16385, hosts=["*"])
+        await creds.set(MEMBER, "S", "x" * 16385, hosts=["api.example.com"])
 
 
 async def test_sandbox_scope_needs_a_sandbox_of_the_tenant(creds: CredentialManager) -> None:
     with pytest.raises(NotFound, match="sandbox"):
-        await creds.set(MEMBER, "S", VALUE, hosts=["*"], scope=f"sandbox:{ids.sandbox_id()}")
+        await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"], scope=f"sandbox:{ids.sandbox_id()}")
 
 
 async def test_readonly_cannot_set_and_is_audited(store: Store, creds: CredentialManager) -> None:
     with pytest.raises(Forbidden):
-        await creds.set(READONLY, "S", VALUE, hosts=["*"])
+        await creds.set(READONLY, "S", VALUE, hosts=["api.example.com"])
     [rec] = await store.list_audit("acme", action="secret.set")
     assert (rec.actor, rec.result, rec.status, rec.target) == ("key-ro", "forbidden", 403, "S")
 
@@ -199,8 +199,8 @@ async def test_readonly_cannot_set_and_is_audited(store: Store, creds: Credentia
 
 
 async def test_the_database_never_holds_the_value(store: Store, creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"], scope="project:p")
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"], scope="project:p")
     await creds.resolve(await sandbox(store, project="p", secrets=["S"]))
     needle = VALUE.encode()
     rows = await raw_rows(store)
@@ -221,8 +221,8 @@ async def test_the_database_never_holds_the_value(store: Store, creds: Credentia
 async def test_swapped_ciphertexts_do_not_open(store: Store, creds: CredentialManager) -> None:
     """Someone with write access to the database but not the key moves a ciphertext from one
     secret to another (say, to make a sandbox inject another tenant's token): it no longer opens."""
-    a, _ = await creds.set(MEMBER, "A", "value-a", hosts=["*"])
-    b, _ = await creds.set(OTHER, "A", "value-b", hosts=["*"])
+    a, _ = await creds.set(MEMBER, "A", "value-a", hosts=["api.example.com"])
+    b, _ = await creds.set(OTHER, "A", "value-b", hosts=["api.example.com"])
     async with store._sessionmaker() as s, s.begin():
         blob = await s.scalar(select(Secret.ciphertext).where(Secret.id == b["id"]))
         await s.execute(update(Secret).where(Secret.id == a["id"]).values(ciphertext=blob))
@@ -235,7 +235,7 @@ async def test_swapped_ciphertexts_do_not_open(store: Store, creds: CredentialMa
 
 async def test_key_rotation(store: Store) -> None:
     old, new = generate_key(), generate_key()
-    await manager(store, old).set(MEMBER, "S", VALUE, hosts=["*"])
+    await manager(store, old).set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     sb = await sandbox(store, secrets=["S"])
     rotated = manager(store, new, old)
     [r] = await rotated.resolve(sb)
@@ -257,10 +257,10 @@ async def test_most_specific_scope_wins(store: Store, creds: CredentialManager) 
     target = await sandbox(store, project="web", secrets=["S", "ONLY_TENANT"])
     sibling = await sandbox(store, project="web", secrets=["S"])
     loner = await sandbox(store, secrets=["S"])
-    await creds.set(MEMBER, "S", "tenant-value", hosts=["*"])
-    await creds.set(MEMBER, "ONLY_TENANT", "t2", hosts=["*"])
-    await creds.set(MEMBER, "S", "project-value", hosts=["*"], scope="project:web")
-    await creds.set(MEMBER, "S", "sandbox-value", hosts=["*"], scope=f"sandbox:{target.id}")
+    await creds.set(MEMBER, "S", "tenant-value", hosts=["api.example.com"])
+    await creds.set(MEMBER, "ONLY_TENANT", "t2", hosts=["api.example.com"])
+    await creds.set(MEMBER, "S", "project-value", hosts=["api.example.com"], scope="project:web")
+    await creds.set(MEMBER, "S", "sandbox-value", hosts=["api.example.com"], scope=f"sandbox:{target.id}")
     got = {r.name: (r.scope, r.value) for r in await creds.resolve(target)}
     assert got == {"S": (f"sandbox:{target.id}", "Bearer sandbox-value"), "ONLY_TENANT": ("tenant", "Bearer t2")}
     assert [(r.scope, r.value) for r in await creds.resolve(sibling)] == [("project:web", "Bearer project-value")]
@@ -269,9 +269,11 @@ async def test_most_specific_scope_wins(store: Store, creds: CredentialManager) 
 
 async def test_expired_secret_resolves_to_nothing(store: Store, creds: CredentialManager) -> None:
     sb = await sandbox(store, project="web", secrets=["S", "T"])
-    await creds.set(MEMBER, "S", "tenant-value", hosts=["*"])
-    view, _ = await creds.set(MEMBER, "S", "project-value", hosts=["*"], scope="project:web", ttl_seconds=3600)
-    await creds.set(MEMBER, "T", "t", hosts=["*"], expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
+    await creds.set(MEMBER, "S", "tenant-value", hosts=["api.example.com"])
+    view, _ = await creds.set(MEMBER, "S", "project-value", hosts=["api.example.com"], scope="project:web",
+                              ttl_seconds=3600)
+    await creds.set(MEMBER, "T", "t", hosts=["api.example.com"],
+                    expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
     assert view["expires_at"] is not None and not view["expired"]
     [r_s, r_t] = await creds.resolve(sb)
     assert r_s.expires_at == view["expires_at"] and r_t.expires_at is not None
@@ -284,7 +286,7 @@ async def test_expired_secret_resolves_to_nothing(store: Store, creds: Credentia
 
 
 async def test_resolution_is_audited(store: Store, creds: CredentialManager) -> None:
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     sb = await sandbox(store, secrets=["S", "MISSING"])
     [r] = await creds.resolve(sb, actor="controller")
     recs = await store.list_audit("acme", action="secret.resolve")
@@ -308,7 +310,7 @@ async def test_custom_audit_sink(store: Store) -> None:
         seen.extend(r.action for r in records)
 
     creds = CredentialManager(store, Backends({BUILTIN: BuiltinBackend(Keyring([generate_key()]))}), sink)
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     await creds.resolve(await sandbox(store, secrets=["S"]))
     assert seen == ["secret.set", "secret.resolve"]
     assert await store.list_audit("acme") == []
@@ -320,9 +322,9 @@ async def test_custom_audit_sink(store: Store) -> None:
 async def test_check_bindable(store: Store, creds: CredentialManager) -> None:
     sb = await sandbox(store, project="web")
     other = await sandbox(store, project="web")
-    await creds.set(MEMBER, "T", "1", hosts=["*"])
-    await creds.set(MEMBER, "P", "2", hosts=["*"], scope="project:web")
-    await creds.set(MEMBER, "X", "3", hosts=["*"], scope=f"sandbox:{sb.id}")
+    await creds.set(MEMBER, "T", "1", hosts=["api.example.com"])
+    await creds.set(MEMBER, "P", "2", hosts=["api.example.com"], scope="project:web")
+    await creds.set(MEMBER, "X", "3", hosts=["api.example.com"], scope=f"sandbox:{sb.id}")
     assert await creds.check_bindable(MEMBER, "acme", "web", sb.id, ["T", "P", "X", "T"]) == ["T", "P", "X"]
     assert await creds.check_bindable(MEMBER, "acme", "web", None, ["T", "P"]) == ["T", "P"]
     with pytest.raises(NotFound, match="secret X not found") as info:
@@ -385,7 +387,7 @@ async def test_vault_backend_round_trip(store: Store) -> None:
     fake = FakeVault()
     creds = vault_manager(store, fake)
     sb = await sandbox(store, secrets=["S"])
-    view, _ = await creds.set(MEMBER, "S", VALUE, hosts=["*"], scope=f"sandbox:{sb.id}")
+    view, _ = await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"], scope=f"sandbox:{sb.id}")
     assert view["backend"] == "vault"
     [row] = await raw_rows(store)
     assert row["ref"] == f"kv/data/space/acme/sandbox:{sb.id}/S" and row["ciphertext"] is None
@@ -403,10 +405,10 @@ async def test_vault_errors_map_to_space_errors(store: Store) -> None:
     creds = vault_manager(store, fake)
     fake.fail = 503
     with pytest.raises(Unavailable):
-        await creds.set(MEMBER, "S", VALUE, hosts=["*"])
+        await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     assert await raw_rows(store) == []  # nothing is written when the vault did not take the value
     fake.fail = None
-    await creds.set(MEMBER, "S", VALUE, hosts=["*"])
+    await creds.set(MEMBER, "S", VALUE, hosts=["api.example.com"])
     bad_token = vault_manager(store, fake, token="wrong")
     with pytest.raises(Internal, match="403"):
         await bad_token.resolve(await sandbox(store, secrets=["S"]))
@@ -424,12 +426,12 @@ async def test_rows_are_read_through_the_backend_that_wrote_them(store: Store) -
     """Switching the default backend leaves existing secrets readable; a replace moves the value."""
     key = generate_key()
     fake = FakeVault()
-    await manager(store, key).set(MEMBER, "S", "old", hosts=["*"])
+    await manager(store, key).set(MEMBER, "S", "old", hosts=["api.example.com"])
     config = BackendConfig(default=VAULT, vault_addr="http://vault.invalid", vault_token="s.root")
     creds = CredentialManager(store, Backends.from_config(config, Keyring([key]), transport=httpx.MockTransport(fake)))
     sb = await sandbox(store, secrets=["S"])
     assert [r.value for r in await creds.resolve(sb)] == ["Bearer old"]
-    await creds.set(MEMBER, "S", "new", hosts=["*"])
+    await creds.set(MEMBER, "S", "new", hosts=["api.example.com"])
     [row] = await raw_rows(store)
     assert row["backend"] == "vault" and row["ciphertext"] is None
     assert [r.value for r in await creds.resolve(sb)] == ["Bearer new"]

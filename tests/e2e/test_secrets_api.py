@@ -87,17 +87,18 @@ def test_set_list_delete_over_http(server: Server, member: httpx.Client, keys: d
 
 
 def test_readonly_keys_list_but_do_not_change(server: Server, member: httpx.Client, keys: dict[str, str]) -> None:
-    assert member.put("/v1/secrets/S", json={"value": value(), "hosts": ["*"]}).status_code == 201
+    assert member.put("/v1/secrets/S", json={"value": value(), "hosts": ["api.example.com"]}).status_code == 201
     with server.client(keys["readonly"]) as ro:
         assert [s["name"] for s in ro.get("/v1/secrets").json()["secrets"]] == ["S"]
-        for r in (ro.put("/v1/secrets/S", json={"value": "x", "hosts": ["*"]}), ro.delete("/v1/secrets/S")):
+        for r in (ro.put("/v1/secrets/S", json={"value": "x", "hosts": ["api.example.com"]}),
+                  ro.delete("/v1/secrets/S")):
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     assert [s["name"] for s in member.get("/v1/secrets").json()["secrets"]] == ["S"]
 
 
 def test_other_tenants_see_nothing(server: Server, member: httpx.Client, keys: dict[str, str]) -> None:
     v = value()
-    assert member.put("/v1/secrets/S", json={"value": v, "hosts": ["*"]}).status_code == 201
+    assert member.put("/v1/secrets/S", json={"value": v, "hosts": ["api.example.com"]}).status_code == 201
     with server.client(keys["other"]) as other:
         assert other.get("/v1/secrets").json() == {"secrets": []}
         r = other.delete("/v1/secrets/S")
@@ -131,21 +132,22 @@ def test_bad_requests_are_json_errors(member: httpx.Client, body: dict[str, obje
 
 
 def test_unknown_fields_and_bad_types_are_refused(member: httpx.Client) -> None:
-    r = member.put("/v1/secrets/S", json={"value": "v", "hosts": ["*"], "host": "x"})
+    r = member.put("/v1/secrets/S", json={"value": "v", "hosts": ["api.example.com"], "host": "x"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_failed"
-    r = member.put("/v1/secrets/bad%20name", json={"value": "v", "hosts": ["*"]})
+    r = member.put("/v1/secrets/bad%20name", json={"value": "v", "hosts": ["api.example.com"]})
     assert r.status_code == 400 and r.json()["error"]["field"] == "name"
 
 
 def test_sandbox_scope(server: Server, member: httpx.Client, keys: dict[str, str]) -> None:
     sid = create_sandbox(member)
     try:
-        r = member.put("/v1/secrets/S", json={"value": value(), "hosts": ["*"], "scope": f"sandbox:{sid}"})
+        r = member.put("/v1/secrets/S", json={"value": value(), "hosts": ["api.example.com"],
+                                              "scope": f"sandbox:{sid}"})
         assert r.status_code == 201 and r.json()["scope"] == f"sandbox:{sid}"
         listed = member.get("/v1/secrets", params={"scope": f"sandbox:{sid}"}).json()["secrets"]
         assert [s["name"] for s in listed] == ["S"]
         with server.client(keys["other"]) as other:  # another tenant's sandbox does not exist for it
-            r = other.put("/v1/secrets/S", json={"value": "x", "hosts": ["*"], "scope": f"sandbox:{sid}"})
+            r = other.put("/v1/secrets/S", json={"value": "x", "hosts": ["api.example.com"], "scope": f"sandbox:{sid}"})
             assert r.status_code == 404
         assert member.delete("/v1/secrets/S", params={"scope": f"sandbox:{sid}"}).status_code == 204
     finally:
@@ -199,11 +201,11 @@ def test_sdk(server: Server, keys: dict[str, str]) -> None:
         assert view["scope"] == "project:p" and view["expires_at"].startswith("2100-01-01")
         assert [s["name"] for s in c.secrets.list("project:p")] == ["SDK"]
         with pytest.raises(InvalidRequest):
-            c.secrets.set("SDK", "v", hosts=["*"], format="nope")
+            c.secrets.set("SDK", "v", hosts=["api.example.com"], format="nope")
         c.secrets.delete("SDK", "project:p")
         assert c.secrets.list() == []
     with Client(server.url, keys["readonly"]) as ro, pytest.raises(Forbidden):
-        ro.secrets.set("SDK", "v", hosts=["*"])
+        ro.secrets.set("SDK", "v", hosts=["api.example.com"])
 
 
 def test_each_secret_change_is_audited_once(server: Server, member: httpx.Client, tenant: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from space import childenv
 from space.errors import Unavailable
 from space.node.helper.rpc import HelperClient
 from space.node.helper.verbs import HelperContext
@@ -65,7 +66,8 @@ class HelperProcess:
         stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         try:
             self.proc = subprocess.Popen([*self.argv(), "--stop-fd", str(stop_r)],  # noqa: ASYNC220
-                                         stdin=subprocess.DEVNULL, cwd="/", pass_fds=(stop_r,))
+                                         stdin=subprocess.DEVNULL, cwd="/", pass_fds=(stop_r,),
+                                         env=childenv.build("helper"))
         finally:
             os.close(stop_r)
         loop = asyncio.get_running_loop()

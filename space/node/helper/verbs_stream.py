@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from space import childenv
 from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure
 from space.node.helper import btrfs_ioctl as ioc
 from space.node.helper import verbs_pool
@@ -71,7 +72,7 @@ class ReceiveArgs:
 
 
 async def run_on_fds(argv: Sequence[str], *, stdin: int | None = None, stdout: int | None = None,
-                     pass_fds: Sequence[int] = (), env: dict[str, str] | None = None) -> tuple[int, str]:
+                     pass_fds: Sequence[int] = ()) -> tuple[int, str]:
     """Run ``argv`` with the given fds as stdin/stdout (else /dev/null), stderr captured; return
     its exit code and stderr tail. Cancellation (the verb's timeout, or its caller going away)
     kills the whole process group and reaps it before re-raising."""
@@ -82,7 +83,7 @@ async def run_on_fds(argv: Sequence[str], *, stdin: int | None = None, stdout: i
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
-        env=env,
+        env=childenv.tool(),
     )
     try:
         _, err = await proc.communicate()
