@@ -89,8 +89,20 @@ def test_disk_fill_never_takes_the_node_reserve(small_server: Server, tenants: A
     assert snap["status"] == "succeeded", snap
     suspended = op_of(victim.api, victim.api.post(f"/v1/sandboxes/{b}/suspend", json={}))
     assert suspended["status"] == "succeeded", suspended
+    # Once the filler is gone its space comes back (the cleaner, a commit, the next move of the
+    # cap): the node makes sandboxes and they write again.
     filler.delete(f"/v1/sandboxes/{a}")
     filler.close()
+    wait_for(lambda: _pool_free(small_server) > 2 << 30, 180, "the filler's space to come back", interval=1.0)
+    restored = op_of(victim.api, victim.api.post(f"/v1/sandboxes/{b}/restore"))
+    assert restored["status"] == "succeeded", restored
+    ok(victim.api, b, "dd if=/dev/zero of=$HOME/after bs=1M count=8 status=none && sync")
+
+
+def _pool_free(server: Server) -> int:
+    with server.client() as c:
+        nodes = c.get("/v1/nodes").json()["nodes"]
+    return int(((nodes[0].get("capacity") or {}).get("pool") or {}).get("free_bytes", 0)) if nodes else 0
 
 
 def _pool_after(server: Server) -> dict[str, Any] | None:
