@@ -53,3 +53,25 @@ def test_an_oom_kill_is_read_on_cgroup_v1_and_v2(tmp_path: Path) -> None:
     events.write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n")
     assert oom_killed("s1-abcde", v2)
     assert not oom_killed("gone-00000", v2)
+
+
+def test_a_verb_that_meets_a_full_pool_says_insufficient_storage() -> None:
+    import asyncio
+    import errno
+
+    import pytest
+
+    from space.errors import InsufficientStorage
+    from space.node.helper.verbs import _full_is_storage
+
+    async def full(ctx: object, args: object, call: object) -> dict[str, object]:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    async def other(ctx: object, args: object, call: object) -> dict[str, object]:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(InsufficientStorage) as exc:
+        asyncio.run(_full_is_storage("rootfs.configure_net", full)(None, None, None))  # type: ignore[arg-type]
+    assert exc.value.status == 507 and exc.value.details["verb"] == "rootfs.configure_net"
+    with pytest.raises(PermissionError):
+        asyncio.run(_full_is_storage("x", other)(None, None, None))  # type: ignore[arg-type]
