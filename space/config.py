@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
+
+#: The limits of every tenant whose own were never set, until the operator changes them
+#: (``--default-quota``, ``PUT /v1/quota/defaults``): room for a team's agents on one small node.
+DEFAULT_QUOTA: dict[str, Any] = {"sandboxes": 20, "cpu": 16.0, "memory_mb": 32768, "storage_mb": 51200,
+                                 "disk_mb": 51200}
 
 
 @dataclasses.dataclass
@@ -21,6 +27,13 @@ class ServeSettings:
     cache_dir: Path = Path("/var/cache/space")
     #: Size of the node's btrfs loop file when the data dir is not on btrfs.
     pool_size_gb: int = 64
+    #: MiB of the pool no sandbox may fill (None: 5 % of it, at least 1 GiB).
+    pool_reserve_mb: int | None = None
+    #: Disk limit of a sandbox whose create names none (MiB; at most its tenant's ``disk_mb``).
+    sandbox_disk_mb: int = 10240
+    #: The default limits given on the command line: they replace the stored defaults at start.
+    #: None: the stored ones stay (on a new deployment: :data:`DEFAULT_QUOTA`).
+    default_quota: dict[str, Any] | None = None
     #: Largest accepted file upload, in bytes (413 beyond).
     max_upload_bytes: int = 1 << 30
     #: Templates built on first start when missing (``make run`` wants ``base`` ready).

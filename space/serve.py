@@ -31,7 +31,7 @@ from space import childenv, privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
-from space.config import ServeSettings
+from space.config import DEFAULT_QUOTA, ServeSettings
 from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling
@@ -41,7 +41,7 @@ from space.node.client import NodeClient
 from space.node.main import channel_dir_for
 from space.node.templates import BASE_SPEC
 from space.objstore import ObjectStore, s3_env
-from space.store import Store
+from space.store import Store, quotas
 from space.web import GracefulServer
 
 log = structlog.get_logger("space.serve")
@@ -85,6 +85,8 @@ class NodeProcess:
             "--data-dir", str(s.data_dir), "--socket", str(self.socket),
             "--token-file", str(self.token_file), "--node-id", NODE_ID,
             "--cache-dir", str(s.cache_dir), "--pool-size-gb", str(s.pool_size_gb),
+            "--sandbox-disk-mb", str(s.sandbox_disk_mb),
+            *(["--pool-reserve-mb", str(s.pool_reserve_mb)] if s.pool_reserve_mb is not None else []),
             "--max-upload-bytes", str(s.max_upload_bytes), "--die-with-parent",
             "--object-store-url", s.resolved_object_store_url(),
             # One egress CA per deployment: the all-in-one server's, in its data directory.
@@ -132,6 +134,17 @@ class NodeProcess:
             except PermissionError:  # root's, and we are not: it follows us through PR_SET_PDEATHSIG
                 log.warning("node.supervisor_still_running", pid=self.proc.pid)
 
+
+
+async def seed_quotas(store: Store, settings: ServeSettings) -> None:
+    """The default limits of tenants whose own were never set: the command line's replace the
+    stored ones; without it, a new deployment gets :data:`DEFAULT_QUOTA`. The operator's own
+    tenant starts unlimited (an explicit row the operator may change like any other)."""
+    if settings.default_quota is not None:
+        await store.put_quota(quotas.DEFAULTS, settings.default_quota)
+    else:
+        await store.seed_quota(quotas.DEFAULTS, DEFAULT_QUOTA)
+    await store.seed_quota(settings.operator_tenant, {})
 
 async def wait_node_ready(client: NodeClient, node: NodeProcess, timeout: float = 300.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
@@ -239,6 +252,7 @@ async def serve(settings: ServeSettings) -> None:
         log.info("node.ready", node=NODE_ID, templates=info.get("templates"))
         store = await Store.open(settings.resolved_database_url())
         await ensure_admin_key(store, data, settings.operator_tenant)
+        await seed_quotas(store, settings)
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
         nodes = NodeRegistry(store)
         objects = ObjectStore.from_url(settings.resolved_object_store_url(), env=env)
@@ -249,6 +263,7 @@ async def serve(settings: ServeSettings) -> None:
         controller.lifecycle.credentials = credentials
         state = AppState(store=store, nodes=nodes, controller=controller, secret=secret.encode(),
                          max_upload_bytes=settings.max_upload_bytes, credentials=credentials,
+                         sandbox_disk_mb=settings.sandbox_disk_mb,
                          operator_tenant=settings.operator_tenant,
                          egress_ceiling=parse_ceiling(settings.egress_ceiling),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None)

@@ -187,6 +187,7 @@ async def fork_sandbox(st: AppState, who: Principal, sandbox_id: str, body: Fork
     forks = [
         Sandbox(id=ids.sandbox_id(), tenant=who.tenant, template=src.template, state=State.CREATING.value,
                 cpu=src.cpu, memory_mb=src.memory_mb, env=src.env, meta=body.metadata or src.meta,
+                disk_mb=src.disk_mb if src.disk_mb is not None else st.sandbox_disk_mb,
                 template_digest=src.template_digest, parent_id=sandbox_id, source_snapshot=snap_id,
                 idle_pause_s=src.idle_pause_s, idle_suspend_s=src.idle_suspend_s,
                 snapshot_policy=src.snapshot_policy, expire_action=src.expire_action,

@@ -13,21 +13,21 @@ from __future__ import annotations
 import time
 
 from space.store import Store
-from space.store.models import TenantQuota
-from space.store.quotas import QuotaDemand, relevant
+from space.store.quotas import Limits, QuotaDemand, relevant
 
 
 class QuotaCache:
     def __init__(self, ttl: float = 5.0, max_entries: int = 10_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
-        self._rows: dict[str, tuple[float, TenantQuota | None]] = {}
+        self._rows: dict[str, tuple[float, Limits | None]] = {}
 
-    async def limits(self, store: Store, tenant: str) -> TenantQuota | None:
+    async def limits(self, store: Store, tenant: str) -> Limits | None:
+        """The limits that hold for ``tenant`` (its own, or the defaults)."""
         hit = self._rows.get(tenant)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
-        row = await store.get_quota(tenant)
+        row, _ = await store.effective_quota(tenant)
         if len(self._rows) >= self.max_entries:
             self._rows.clear()
         self._rows[tenant] = (time.monotonic() + self.ttl, row)
@@ -35,6 +35,10 @@ class QuotaCache:
 
     def invalidate(self, tenant: str) -> None:
         self._rows.pop(tenant, None)
+
+    def invalidate_all(self) -> None:
+        """The defaults changed: every tenant on them is affected."""
+        self._rows.clear()
 
     async def precheck(self, store: Store, tenant: str, demand: QuotaDemand) -> None:
         """QuotaExceeded if ``demand`` would pass one of the tenant's limits now."""

@@ -69,6 +69,9 @@ class CreateSandboxBody(BaseModel):
     public_ports: Bool = False
     #: Start from this snapshot (files, and with a full one the processes) instead of the template.
     snapshot: str | None = Field(None, min_length=1, max_length=64)
+    #: MiB the sandbox may write beyond its template (writes past it fail with EDQUOT inside it
+    #: alone); default: the operator's, at most the tenant's ``disk_mb`` quota.
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 @router.post("/sandboxes", status_code=202,
@@ -104,6 +107,7 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
     sb = Sandbox(
         id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,
         cpu=body.cpu, memory_mb=body.memory_mb, env=body.env, meta=body.metadata,
+        disk_mb=await disk_limit(st, who.tenant, body.disk_mb),
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
@@ -139,6 +143,17 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
     return sb, op, 202
 
 
+async def disk_limit(st: AppState, tenant: str, asked: int | None) -> int:
+    """The disk limit a new sandbox of ``tenant`` gets: ``asked``, else the operator's default
+    clamped to the tenant's ceiling. One asked for beyond the ceiling is refused by the quota
+    check (429 ``quota_exceeded``, resource ``disk_mb``), atomically with the insert."""
+    if asked is not None:
+        return asked
+    limits = await st.quotas.limits(st.store, tenant)
+    ceiling = limits.disk_mb if limits is not None else None
+    return st.sandbox_disk_mb if ceiling is None else min(st.sandbox_disk_mb, max(ceiling, 16))
+
+
 async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandboxBody, idempotency_key: str | None,
                                 policy: dict[str, Any], egress_policy: dict[str, Any],
                                 bound: list[str]) -> tuple[Sandbox, Operation, int]:
@@ -156,6 +171,8 @@ async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandbo
         raise Conflict(f"snapshot {snap.id} is neither on a node nor in object storage", snapshot_status=snap.status)
     src = await st.store.get_sandbox(snap.sandbox_id)  # rows outlive their sandbox
     given = body.model_fields_set
+    disk = (body.disk_mb if body.disk_mb is not None
+            else src.disk_mb if src.disk_mb is not None else await disk_limit(st, who.tenant, None))
     for field, want in (("template", snap.template), ("cpu", src.cpu), ("memory_mb", src.memory_mb)):
         if field in given and getattr(body, field) != want:
             raise InvalidRequest(f"a sandbox from snapshot {snap.id} has its {field} ({want}); leave {field} out",
@@ -166,7 +183,7 @@ async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandbo
     sb = Sandbox(
         id=ids.sandbox_id(), tenant=who.tenant, template=snap.template, template_digest=snap.template_digest,
         state=State.CREATING.value, cpu=src.cpu, memory_mb=src.memory_mb, env=dict(src.env or {}),
-        meta=body.metadata, parent_id=src.id, source_snapshot=snap.id,
+        meta=body.metadata, parent_id=src.id, source_snapshot=snap.id, disk_mb=disk,
         idle_pause_s=body.idle_pause_s, idle_suspend_s=body.idle_suspend_s, snapshot_policy=policy,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
@@ -191,6 +208,7 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> tuple[Sandbo
     """
     req = placement.Request(sb.template, sb.cpu, sb.memory_mb)
     claim = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env,
+             "disk_mb": sb.disk_mb,
              # Secrets are resolved for the id the sandbox gets, once it has it (below).
              "egress": await egress_config(st.store, st.credentials, sb, with_secrets=False)}
     for node_row in placement.warm_candidates(placement.fresh(await st.nodes.ready_rows()), req):

@@ -23,6 +23,8 @@ class AppState:
     #: Key for attach tokens (HMAC); shared by every API replica.
     secret: bytes
     max_upload_bytes: int = 1 << 30
+    #: Disk limit of a sandbox whose create names none (MiB), clamped to its tenant's ceiling.
+    sandbox_disk_mb: int = 10240
     keys: KeyCache = dataclasses.field(default_factory=KeyCache)
     #: Admin keys of this tenant manage every tenant (space.api.auth.Principal.is_operator).
     operator_tenant: str = "default"

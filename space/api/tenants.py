@@ -1,10 +1,11 @@
-"""/v1/quota and /v1/tenants/{tenant}/{quota,egress,egress-ceiling}: a tenant's limits, usage,
-egress default and egress ceiling.
+"""/v1/quota, /v1/quota/defaults and /v1/tenants/{tenant}/{quota,egress,egress-ceiling}: a tenant's
+limits, usage, egress default and egress ceiling, and the default limits of every tenant whose own
+were never set.
 
 Who may do what (see docs/api.md, "Tenants, quotas and audit"): any key reads its own tenant's
-quota, egress default and ceiling; only the operator (an admin key of the operator tenant) sets
-quotas and ceilings or reads another tenant's; the egress default is set by the operator or the
-tenant's own admin, inside the tenant's ceiling.
+quota, egress default and ceiling, and the defaults; only the operator (an admin key of the operator
+tenant) sets quotas, defaults and ceilings or reads another tenant's; the egress default is set by
+the operator or the tenant's own admin, inside the tenant's ceiling.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from space.api.state import AppState, app_state
 from space.controller.egress import forget_tenant_default
 from space.errors import Forbidden, InvalidRequest, SpaceError
 from space.store.models import TenantQuota
-from space.store.quotas import limits_of
+from space.store.quotas import DEFAULTS, limits_of
 
 log = structlog.get_logger("space.api.tenants")
 
@@ -42,16 +43,29 @@ class QuotaBody(BaseModel):
     cpu: Number | None = Field(None, ge=0)
     memory_mb: Annotated[Int64, Field(ge=0)] | None = None
     storage_mb: Annotated[Int64, Field(ge=0)] | None = None
+    #: The largest disk limit one of its sandboxes may have.
+    disk_mb: Annotated[Int64, Field(ge=0)] | None = None
 
 
 async def quota_view(st: AppState, tenant: str, row: TenantQuota | None) -> dict[str, Any]:
     usage = await st.store.quota_usage(tenant)
+    limits, source = await st.store.effective_quota(tenant)
     return {
         "tenant": tenant,
-        "limits": limits_of(row),
+        "limits": limits_of(limits),
+        #: ``tenant``: set for it; ``default``: the defaults (it never had limits of its own).
+        "source": source,
         "usage": usage.to_dict(),
-        "updated_at": row.updated_at.isoformat() if row is not None and row.updated_at else None,
+        "updated_at": row.updated_at.isoformat() if row is not None and row.quota_set and row.updated_at else None,
     }
+
+
+def defaults_view(limits: dict[str, Any], row: TenantQuota | None) -> dict[str, Any]:
+    return {"limits": limits, "updated_at": row.updated_at.isoformat() if row is not None and row.updated_at else None}
+
+
+def _limits_of(body: QuotaBody) -> dict[str, Any]:
+    return {name: getattr(body, name) for name in body.model_fields_set}
 
 
 def _require_read(who: Principal, tenant: str) -> None:
@@ -64,6 +78,28 @@ async def own_quota(who: Auth, st: St) -> dict[str, Any]:
     return await quota_view(st, who.tenant, await st.store.get_quota(who.tenant))
 
 
+@router.get("/quota/defaults")
+async def get_defaults(who: Auth, st: St) -> dict[str, Any]:
+    """The limits of every tenant whose own limits were never set."""
+    row = await st.store.get_quota(DEFAULTS)
+    return defaults_view(limits_of(await _defaults(st)), row)
+
+
+@router.put("/quota/defaults")
+async def put_defaults(body: QuotaBody, who: Auth, st: St) -> dict[str, Any]:
+    """Change the defaults (operator): a field left out stays, ``null`` makes it unlimited."""
+    who.require_operator()
+    limits = _limits_of(body)
+    row = await st.store.put_quota(DEFAULTS, limits) if limits else await st.store.get_quota(DEFAULTS)
+    st.quotas.invalidate_all()
+    return defaults_view(limits_of(await _defaults(st)), row)
+
+
+async def _defaults(st: AppState) -> Any:
+    limits, source = await st.store.effective_quota(DEFAULTS)
+    return limits if source == "tenant" else None
+
+
 @router.get("/tenants/{tenant}/quota")
 async def get_quota(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
     _require_read(who, tenant)
@@ -73,7 +109,7 @@ async def get_quota(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
 @router.put("/tenants/{tenant}/quota")
 async def put_quota(tenant: Tenant, body: QuotaBody, who: Auth, st: St) -> dict[str, Any]:
     who.require_operator()
-    limits = {name: getattr(body, name) for name in body.model_fields_set}
+    limits = _limits_of(body)
     row = await st.store.put_quota(tenant, limits) if limits else await st.store.get_quota(tenant)
     st.quotas.invalidate(tenant)
     return await quota_view(st, tenant, row)

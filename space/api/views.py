@@ -22,6 +22,7 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "state": sb.state,
         "cpu": sb.cpu,
         "memory_mb": sb.memory_mb,
+        "disk_mb": sb.disk_mb,
         "env": sb.env,
         "metadata": sb.meta,
         "node_id": sb.node_id,

@@ -13,13 +13,15 @@ from space.sdk._sync._tenancy import UNSET, Unset
 app = typer.Typer(help="Per-tenant quotas (setting them needs an operator key).", no_args_is_help=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON exactly as the API returns it.")]
-RESOURCES = (("sandboxes", "sandboxes"), ("cpu", "cpu"), ("memory_mb", "memory (MiB)"), ("storage_mb", "storage (MiB)"))
+RESOURCES = (("sandboxes", "sandboxes"), ("cpu", "cpu"), ("memory_mb", "memory (MiB)"), ("storage_mb", "storage (MiB)"),
+             ("disk_mb", "disk per sandbox (MiB)"))
 _CLEAR = ("none", "null", "unlimited")
 
 
 def _show(quota: dict[str, Any]) -> None:
     limits, usage = quota.get("limits") or {}, quota.get("usage") or {}
-    output.info(f"tenant {quota.get('tenant')}")
+    source = quota.get("source")
+    output.info(f"tenant {quota.get('tenant')}" + (" (the default limits)" if source == "default" else ""))
     output.table(["resource", "limit", "in use"],
                  [(label, "unlimited" if limits.get(key) is None else limits[key], usage.get(key))
                   for key, label in RESOURCES])
@@ -73,12 +75,16 @@ def set_(
     = None,
     storage: Annotated[str | None, typer.Option("--storage", help="MiB of its snapshots ('none': unlimited).")]
     = None,
+    disk: Annotated[str | None, typer.Option(
+        "--disk", help="Largest disk limit of one of its sandboxes, MiB ('none': unlimited).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Change TENANT's limits; the ones not given stay as they are."""
+    """Change TENANT's limits; the ones not given stay as they are (from then on the defaults no
+    longer apply to it)."""
     with client(ctx) as c:
         quota = c.quotas.set(tenant, sandboxes=_whole(sandboxes, "--sandboxes"), cpu=_parse(cpu, "--cpu"),
-                             memory_mb=_whole(memory, "--memory"), storage_mb=_whole(storage, "--storage"))
+                             memory_mb=_whole(memory, "--memory"), storage_mb=_whole(storage, "--storage"),
+                             disk_mb=_whole(disk, "--disk"))
     if as_json:
         output.print_json(quota)
     else:

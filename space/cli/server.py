@@ -28,6 +28,18 @@ def serve(
     = None,
     cache_dir: CacheDir = Path("/var/cache/space"),
     pool_size_gb: Annotated[int, typer.Option("--pool-size-gb", help="btrfs loop file size.")] = 64,
+    pool_reserve_mb: Annotated[int | None, typer.Option(
+        "--pool-reserve-mb", min=0,
+        help="MiB of the pool no sandbox may fill, kept for snapshots and the node's own work "
+             "(default: 5 %, at least 1 GiB).")] = None,
+    sandbox_disk_mb: Annotated[int, typer.Option(
+        "--sandbox-disk-mb", min=16,
+        help="Disk limit of a sandbox created without one (MiB; at most its tenant's disk_mb quota).")] = 10240,
+    default_quota: Annotated[str | None, typer.Option(
+        "--default-quota", envvar="SPACE_DEFAULT_QUOTA",
+        help="Limits of every tenant whose own were never set, e.g. 'sandboxes=20,cpu=16,memory_mb=32768,"
+             "storage_mb=51200,disk_mb=51200' ('none' for a limit: unlimited); replaces the stored "
+             "defaults at start (default: keep them; a new deployment starts with those above).")] = None,
     max_upload_mb: Annotated[int, typer.Option("--max-upload-mb", help="Largest file upload.")] = 1024,
     no_bootstrap: Annotated[bool, typer.Option("--no-bootstrap", help="Don't build 'base' on first start.")]
     = False,
@@ -64,6 +76,8 @@ def serve(
     run(ServeSettings(
         data_dir=data_dir, listen=listen, database_url=database_url, object_store_url=object_store_url,
         cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_mb * 1024 * 1024,
+        pool_reserve_mb=pool_reserve_mb, sandbox_disk_mb=sandbox_disk_mb,
+        default_quota=parse_quota(default_quota) if default_quota is not None else None,
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
         operator_tenant=operator_tenant, network=network, user=user, e2b_domain=e2b_domain,
         egress_ceiling=ceiling,
@@ -81,6 +95,28 @@ def _ceiling(entries: list[str] | None) -> tuple[str, ...]:
         raise typer.BadParameter(e.message, param_hint="--egress-private") from None
 
 
+def parse_quota(spec: str) -> dict[str, int | float | None]:
+    """``name=value,...`` (value a number or ``none``) into limits; BadParameter names what is wrong."""
+    from space.store.quotas import LIMIT_FIELDS
+
+    out: dict[str, int | float | None] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if not sep or name not in LIMIT_FIELDS:
+            raise typer.BadParameter(f"{item!r}: expected NAME=VALUE with NAME one of {', '.join(LIMIT_FIELDS)}",
+                                     param_hint="--default-quota")
+        try:
+            number = None if value == "none" else (float(value) if name == "cpu" else int(value))
+        except ValueError:
+            raise typer.BadParameter(f"{item!r}: the value must be a number or 'none'",
+                                     param_hint="--default-quota") from None
+        if number is not None and number < 0:
+            raise typer.BadParameter(f"{item!r}: a limit cannot be negative", param_hint="--default-quota")
+        out[name] = number
+    return out
+
+
 @node_app.command("run")
 def node_run(
     data_dir: DataDir,
@@ -95,6 +131,12 @@ def node_run(
     node_id: Annotated[str, typer.Option("--node-id")] = "node-1",
     cache_dir: CacheDir = Path("/var/cache/space"),
     pool_size_gb: Annotated[int, typer.Option("--pool-size-gb")] = 64,
+    pool_reserve_mb: Annotated[int | None, typer.Option(
+        "--pool-reserve-mb", min=0,
+        help="MiB of the pool no sandbox may fill, kept for snapshots and the node's own work "
+             "(default: 5 %, at least 1 GiB).")] = None,
+    sandbox_disk_mb: Annotated[int, typer.Option(
+        "--sandbox-disk-mb", min=16, help="Disk limit of a sandbox created without one (MiB).")] = 10240,
     max_upload_bytes: Annotated[int, typer.Option("--max-upload-bytes")] = 1 << 30,
     die_with_parent: Annotated[bool, typer.Option("--die-with-parent", hidden=True)] = False,
     object_store_url: Annotated[str | None, typer.Option(
@@ -133,6 +175,7 @@ def node_run(
     run(NodeSettings(
         data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
+        pool_reserve_mb=pool_reserve_mb, sandbox_disk_mb=sandbox_disk_mb,
         die_with_parent=die_with_parent, object_store_url=object_store_url,
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
         network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,

@@ -259,7 +259,7 @@ class Controller:
         else:
             node = await self.nodes.client(sb.node_id)
         body = {"template": sb.template, "cpu": sb.cpu, "memory_mb": sb.memory_mb, "env": sb.env,
-                "egress": await self.lifecycle.egress(sb)}
+                "disk_mb": sb.disk_mb, "egress": await self.lifecycle.egress(sb)}
         try:
             info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
         except Unavailable:

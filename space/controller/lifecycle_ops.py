@@ -270,7 +270,7 @@ class LifecycleOps:
         sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",
                                json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
-                                          "egress": await self.egress(sb)},
+                                          "disk_mb": sb.disk_mb, "egress": await self.egress(sb)},
                                timeout=LONG)
         await self.store.update_snapshot(snap.id, node_id=node.node_id)
         sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
@@ -314,7 +314,7 @@ class LifecycleOps:
         result: dict[str, Any] = await node.call(
             "POST", f"/v1/sandboxes/{sb.id}/rollback",
             json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id,
-                       "prefix": snap.object_key if remote else None,
+                       "prefix": snap.object_key if remote else None, "disk_mb": sb.disk_mb,
                        "egress": await self.egress(sb) if remote else None}, timeout=LONG)
         if remote:
             await self.store.update_snapshot(snap.id, node_id=sb.node_id)  # now on this node too
@@ -395,7 +395,8 @@ class LifecycleOps:
                 await self.store.update_sandbox(fid, node_id=node.node_id)
                 info = await node.call("POST", f"/v1/sandboxes/{fid}/fork",
                                        json_body={"source": snap.sandbox_id, "snapshot": snap.id,
-                                                  "egress": await self.egress(f)}, timeout=LONG)
+                                                  "disk_mb": f.disk_mb, "egress": await self.egress(f)},
+                                       timeout=LONG)
             except NotFound as exc:
                 if snap.object_key is None:
                     raise
@@ -410,7 +411,7 @@ class LifecycleOps:
                 await self.store.update_sandbox(fid, node_id=node.node_id)
             info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
                                    json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
-                                              "egress": await self.egress(f)},
+                                              "disk_mb": f.disk_mb, "egress": await self.egress(f)},
                                    timeout=LONG)
         try:
             f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],

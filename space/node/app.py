@@ -62,6 +62,8 @@ class CreateSandbox(BaseModel):
     memory_mb: int = Field(512, ge=64, le=262144)
     env: dict[str, str] = Field(default_factory=dict)
     egress: EgressConfig | None = None
+    #: The sandbox's disk limit in MiB (None: the node's default; 0 is not a limit).
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 class AuditAck(BaseModel):
@@ -85,6 +87,8 @@ class ClaimRequest(BaseModel):
     memory_mb: int = Field(512, ge=64, le=262144)
     env: dict[str, str] = Field(default_factory=dict)
     egress: EgressConfig | None = None
+    #: The sandbox's disk limit in MiB (None: the node's default; 0 is not a limit).
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 class ExecRequest(BaseModel):
@@ -134,6 +138,8 @@ class RollbackRequest(BaseModel):
     #: Where the snapshot is in object storage, when it is not on this node.
     prefix: str | None = Field(None, max_length=512)
     egress: EgressConfig | None = None
+    #: The sandbox's disk limit in MiB, for its new root (None: the one it has).
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 class UploadRequest(BaseModel):
@@ -148,6 +154,8 @@ class ForkRequest(BaseModel):
     source: str
     snapshot: str
     egress: EgressConfig | None = None
+    #: The fork's disk limit in MiB (None: the source snapshot's).
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 class ShipRequest(BaseModel):
@@ -158,6 +166,8 @@ class ShipRequest(BaseModel):
     #: Suspend only: ``full`` keeps memory (a restore resumes the processes), ``disk`` only the
     #: files (a restore boots afresh).
     kind: Literal["full", "disk"] = "full"
+    #: Restore only: the sandbox's disk limit in MiB (None: the snapshot's).
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
 class EnsureTemplate(BaseModel):
@@ -180,6 +190,7 @@ def sandbox_view(sb: LocalSandbox) -> dict[str, Any]:
         "instance_id": sb.instance_id,
         "cpu": sb.cpu,
         "memory_mb": sb.memory_mb,
+        "disk_mb": sb.disk_mb,
         "created_at": sb.created_at,
         "timings": sb.timings,
         "death": sb.death,
@@ -277,6 +288,8 @@ def create_node_app(
     @r.post("/pool/claim")
     async def claim(body: ClaimRequest, after: BackgroundTasks) -> dict[str, Any]:
         sb = _warm().claim(PoolKey(body.template, body.cpu, body.memory_mb), body.env)
+        if body.disk_mb is not None and body.disk_mb != sb.disk_mb:  # warm ones have the node's default
+            await manager.set_disk_limit(sb.id, body.disk_mb)
         await _egress(sb.id, body.egress)
         if sb.env:  # before the answer: the owner's first call may need it (a claim without env pays nothing)
             await manager.publish_env(sb)
@@ -340,7 +353,8 @@ def create_node_app(
     async def create_sandbox(sandbox_id: str, body: CreateSandbox) -> dict[str, Any]:
         await _egress(sandbox_id, body.egress)
         sb = await manager.create(
-            sandbox_id, template=body.template, cpu=body.cpu, memory_mb=body.memory_mb, env=body.env
+            sandbox_id, template=body.template, cpu=body.cpu, memory_mb=body.memory_mb, env=body.env,
+            disk_mb=body.disk_mb if body.disk_mb is not None else manager.default_disk_mb,
         )
         await _egress(sandbox_id, body.egress)  # again: a retry may have replaced a failed attempt
         return sandbox_view(sb)
@@ -389,7 +403,8 @@ def create_node_app(
         await _egress(sandbox_id, body.egress)
         if body.prefix and snapshots.read(manager.pool, owner, body.snapshot) is None:
             await manager.fetch_snapshot(owner, body.snapshot, body.prefix)
-        sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source)
+        sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source,
+                                    disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 
@@ -404,7 +419,7 @@ def create_node_app(
     @r.post("/sandboxes/{sandbox_id}/fork")
     async def fork(sandbox_id: str, body: ForkRequest) -> dict[str, Any]:
         await _egress(sandbox_id, body.egress)
-        sb = await manager.fork(sandbox_id, body.source, body.snapshot)
+        sb = await manager.fork(sandbox_id, body.source, body.snapshot, disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 
@@ -415,7 +430,7 @@ def create_node_app(
     @r.post("/sandboxes/{sandbox_id}/restore")
     async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
         await _egress(sandbox_id, body.egress)
-        sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token)
+        sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token, disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 

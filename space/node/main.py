@@ -28,7 +28,7 @@ from space.node.helper.launch import HelperProcess
 from space.node.helper.verbs import GatewayConfig, HelperContext
 from space.node.network import GatewayPorts, Network
 from space.node.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
-from space.node.pool import Pool
+from space.node.pool import Pool, default_reserve
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import WarmPool
@@ -61,6 +61,11 @@ class NodeSettings:
     #: Host-wide cache of debootstrap downloads and exported template streams.
     cache_dir: Path = Path("/var/cache/space")
     pool_size_gb: int = 64
+    #: MiB of the pool no sandbox may take, kept for the node's own work (snapshots, receives,
+    #: templates); None: 5 % of the pool, at least 1 GiB (:func:`space.node.pool.default_reserve`).
+    pool_reserve_mb: int | None = None
+    #: Disk limit of a sandbox whose creator names none (warm sandboxes until claimed), in MiB.
+    sandbox_disk_mb: int | None = 10240
     max_upload_bytes: int = 1 << 30
     #: Die with the parent process (``space serve``); sandboxes survive in their own sessions.
     die_with_parent: bool = False
@@ -220,6 +225,9 @@ async def build_node(settings: NodeSettings) -> Node:
         prepare_channel_dir(settings, None)
         priv = InProcess(ctx)
     pool.priv = priv
+    size = (await pool.usage())["size_bytes"]
+    await pool.enable_quotas(settings.pool_reserve_mb << 20 if settings.pool_reserve_mb is not None
+                             else default_reserve(size))
     objects = (ObjectStore.from_url(settings.object_store_url, env=settings.object_store_env)
                if settings.object_store_url else None)
     templates = TemplateStore(pool, settings.cache_dir, objects=objects)
@@ -227,7 +235,7 @@ async def build_node(settings: NodeSettings) -> Node:
     egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(
         pool, templates, driver, guest_dir=ctx.guest, channel_dir=channel_dir_for(settings.data_dir),
-        objects=objects, egress=egress,
+        objects=objects, egress=egress, default_disk_mb=settings.sandbox_disk_mb,
     )
     await manager.recover()
     warm = WarmPool(manager, warm_pool_file(settings.data_dir), concurrency=settings.warm_concurrency)
@@ -308,6 +316,7 @@ async def serve_node(settings: NodeSettings) -> None:
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
     monitor = asyncio.create_task(manager.monitor())
     gateway_watch = asyncio.create_task(manager.watch_gateway())
+    reserve = asyncio.create_task(manager.keep_reserve())
     refill = asyncio.create_task(warm.run())
     serving = asyncio.create_task(server.serve())
     helper_watch = asyncio.create_task(_exit_with_helper(node.helper, server))
@@ -321,10 +330,11 @@ async def serve_node(settings: NodeSettings) -> None:
             raise SystemExit(3)  # the supervisor restarts us, and we start a new helper
     finally:
         helper_watch.cancel()
+        reserve.cancel()
         monitor.cancel()
         refill.cancel()
         gateway_watch.cancel()
-        await asyncio.gather(monitor, refill, gateway_watch, return_exceptions=True)
+        await asyncio.gather(monitor, refill, gateway_watch, reserve, return_exceptions=True)
         await warm.close()
         await manager.close()
         if settings.socket is not None:

@@ -25,6 +25,7 @@ import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -161,6 +162,10 @@ class Pool:
         self.device = device
         self.priv: Privileged = priv if priv is not None else InProcess(
             HelperContext(data_dir=data_dir, cache_dir=Path("/var/cache/space"), pool_root=root))
+        #: Whether sandbox roots get disk limits (quotas on: :meth:`enable_quotas`).
+        self.quotas = False
+        #: Bytes of the pool sandboxes can never take (with quotas on).
+        self.reserve_bytes = 0
 
     def __repr__(self) -> str:
         return f"Pool(root={str(self.root)!r}, kind={self.kind.value}, device={self.device})"
@@ -260,10 +265,48 @@ class Pool:
         """A new empty subvolume (missing parent directories are made); Conflict if taken."""
         await self.priv.call("subvol.create", {"rel": self._rel(path)})
 
-    async def snapshot(self, src: Path, dst: Path, *, readonly: bool = False) -> None:
-        """Snapshot subvolume ``src`` (else InvalidPath) to ``dst`` (Conflict if it exists)."""
-        rels = {"src": self._rel(src), "dst": self._rel(dst)}
-        await self.priv.call("subvol.snapshot", {**rels, "readonly": readonly})
+    async def snapshot(self, src: Path, dst: Path, *, readonly: bool = False,
+                       sandbox_root: bool = False, limit_bytes: int | None = None) -> None:
+        """Snapshot subvolume ``src`` (else InvalidPath) to ``dst`` (Conflict if it exists).
+
+        ``sandbox_root``: ``dst`` is a sandbox's root, born with its disk limit ``limit_bytes``
+        (None: no limit of its own) inside the share of the pool all sandbox roots may take. The
+        limit counts only what the sandbox writes, never what it shares with ``src``.
+        """
+        args: dict[str, Any] = {"src": self._rel(src), "dst": self._rel(dst), "readonly": readonly}
+        if sandbox_root and self.quotas:
+            args.update(sandbox_root=True, limit_bytes=limit_bytes)
+        await self.priv.call("subvol.snapshot", args)
+
+    # -- disk limits ---------------------------------------------------------------------------
+
+    async def enable_quotas(self, reserve_bytes: int) -> dict[str, Any]:
+        """Turn on the pool's simple quotas (per-sandbox disk limits) and cap all sandbox roots
+        together at the pool's size less ``reserve_bytes``. Only on a pool this node owns (a loop
+        file or a device): quotas are filesystem-wide, and a host's own btrfs is not ours to
+        change. Without them (an older kernel) sandboxes run without disk limits: logged."""
+        if self.kind not in (PoolKind.LOOP, PoolKind.DEVICE):
+            res: dict[str, Any] = {"enabled": False, "error": f"a {self.kind.value} pool is not the node's own"}
+        else:
+            res = await self.priv.call("pool.quota", {"reserve_bytes": reserve_bytes})
+        self.quotas = bool(res.get("enabled"))
+        self.reserve_bytes = reserve_bytes
+        if self.quotas:
+            log.info("pool.quotas", **res)
+        else:
+            log.warning("pool.no_disk_limits", reason=res.get("error"))
+        return res
+
+    async def refresh_reserve(self) -> None:
+        """Move the cap on all sandbox roots to what is free now less the reserve (templates,
+        snapshots and deletions change what is free outside them)."""
+        if self.quotas:
+            await self.priv.call("pool.quota", {"reserve_bytes": self.reserve_bytes, "enable": False})
+
+    async def set_disk_limit(self, root: Path, limit_bytes: int | None) -> None:
+        """Change the disk limit of the sandbox root ``root`` (no-op while quotas are off)."""
+        if self.quotas:
+            await self.priv.call("subvol.limit", {"rel": self._rel(root), "limit_bytes": limit_bytes})
 
     async def delete_subvolume(self, path: Path) -> None:
         """Delete ``path`` and every subvolume beneath it, deepest first.
@@ -322,6 +365,11 @@ class Pool:
     @property
     def tmp_dir(self) -> Path:
         return self.root / "tmp"
+
+
+def default_reserve(size_bytes: int) -> int:
+    """The share of a pool no sandbox may take: 5 % of it, at least 1 GiB (at most half)."""
+    return min(max(size_bytes // 20, 1 << 30), size_bytes // 2)
 
 
 def _create_sparse(image: Path, size_gb: int) -> None:

@@ -67,6 +67,10 @@ class LocalSandbox:
     #: token for that request, so that a retried request is not applied twice.
     source_snapshot: str | None = None
     applied: str | None = None
+    #: Its disk limit: MiB its root may write beyond the template it shares (None: no limit of its
+    #: own, only the node's reserve). A property of the sandbox: every new root it gets (a
+    #: rollback, a restore here or on another node, a fork of it) is born with it.
+    disk_mb: int | None = None
     #: A warm-pool sandbox nobody has been given yet: invisible to the node API and the data
     #: plane until :meth:`SandboxManager.bind` hands it out (once; it never goes back).
     warm: bool = False
@@ -89,8 +93,11 @@ class SandboxManager:
         guest_timeout: float = 15.0,
         objects: ObjectStore | None = None,
         egress: Egress | None = None,
+        default_disk_mb: int | None = None,
     ) -> None:
         self.pool = pool
+        #: The disk limit of a sandbox whose creator names none (warm ones included), in MiB.
+        self.default_disk_mb = default_disk_mb
         #: Network isolation and the egress gateway; None runs sandboxes with loopback only.
         self.egress = egress
         self.templates = templates
@@ -238,6 +245,7 @@ class SandboxManager:
         memory_mb: int,
         env: dict[str, str] | None = None,
         warm: bool = False,
+        disk_mb: int | None = None,
     ) -> LocalSandbox:
         async with self._lock(sandbox_id):
             existing = self._sandboxes.get(sandbox_id)
@@ -266,12 +274,13 @@ class SandboxManager:
                 user=_template_user(info),
                 instance_id=ids.instance_id(sandbox_id),
                 warm=warm,
+                disk_mb=disk_mb,
             )
             self._sandboxes[sandbox_id] = sb
             self._save(sb)
             rootfs = d / "rootfs"
             if not await self.pool.is_subvolume(rootfs):
-                await self.pool.snapshot(info.path, rootfs)
+                await self._new_root(sb, info.path)
             await self._boot(sb, t0=t0)
             if sb.env:
                 await self.publish_env(sb)
@@ -282,6 +291,22 @@ class SandboxManager:
                     log.warning("sandbox.prime_failed", sandbox=sandbox_id, error=str(exc))
             log.info("sandbox.created", sandbox=sandbox_id, **sb.timings)
             return sb
+
+    async def _new_root(self, sb: LocalSandbox, src: Path) -> None:
+        """The sandbox's root as a writable snapshot of ``src``, born with its disk limit."""
+        limit = sb.disk_mb << 20 if sb.disk_mb is not None else None
+        await self.pool.snapshot(src, self._dir(sb.id) / "rootfs", sandbox_root=True, limit_bytes=limit)
+
+    async def set_disk_limit(self, sandbox_id: str, disk_mb: int | None) -> None:
+        """Change a sandbox's disk limit (a claimed warm sandbox gets its owner's): its root now,
+        and every root it gets later."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or sb.disk_mb == disk_mb:
+            return
+        await self.pool.set_disk_limit(self._dir(sandbox_id) / "rootfs",
+                                       disk_mb << 20 if disk_mb is not None else None)
+        sb.disk_mb = disk_mb
+        self._save(sb)
 
     async def publish_env(self, sb: LocalSandbox) -> None:
         """Write the sandbox's own environment to :data:`SANDBOX_ENV_FILE` in it, for services its
@@ -612,7 +637,7 @@ class SandboxManager:
             snap = snapshots.LocalSnapshot(
                 id=snap_id, sandbox_id=sandbox_id, kind=kind, created_at=snapshots.now(),
                 template=sb.template, template_digest=sb.template_digest, cpu=sb.cpu,
-                memory_mb=sb.memory_mb, env=sb.env, user=sb.user,
+                memory_mb=sb.memory_mb, env=sb.env, user=sb.user, disk_mb=sb.disk_mb,
                 image_bytes=snapshots.tree_bytes(d / "checkpoint") if kind == "full" else 0,
                 freeze_ms=round(freeze_ms, 2), took_ms=round((time.perf_counter() - t0) * 1000, 2),
             )
@@ -637,7 +662,7 @@ class SandboxManager:
     # -- rollback, recovery, fork ------------------------------------------------------------
 
     async def rollback(self, sandbox_id: str, snap_id: str, *, token: str | None = None,
-                       source: str | None = None) -> LocalSandbox:
+                       source: str | None = None, disk_mb: int | None = None) -> LocalSandbox:
         """Put the sandbox back to a snapshot, in place, under a new runtime instance: the files
         (disk snapshot: processes start afresh) or the whole machine (full snapshot). Works on a
         dead sandbox too: that is crash recovery. ``source``: the sandbox the snapshot belongs to
@@ -655,7 +680,9 @@ class SandboxManager:
             trash = self._dir(sandbox_id) / f"trash-{sb.instance_id or 'none'}"
             await self._stop_instance(sb, defer_to=trash if rootfs.exists() else None)
             await self.pool.delete_subvolume(rootfs)
-            await self.pool.snapshot(snapshots.rootfs_of(self.pool, owner, snap_id), rootfs)
+            if disk_mb is not None:
+                sb.disk_mb = disk_mb
+            await self._new_root(sb, snapshots.rootfs_of(self.pool, owner, snap_id))
             sb.instance_id = ids.instance_id(sandbox_id)
             sb.source_snapshot = snap_id
             sb.applied = token
@@ -680,7 +707,8 @@ class SandboxManager:
             log.info("sandbox.rebooted", sandbox=sandbox_id, **sb.timings)
             return sb
 
-    async def fork(self, sandbox_id: str, source_id: str, snap_id: str) -> LocalSandbox:
+    async def fork(self, sandbox_id: str, source_id: str, snap_id: str, *,
+                   disk_mb: int | None = None) -> LocalSandbox:
         """A new sandbox from another's snapshot: its root a snapshot of the snapshot (shared
         extents), its memory the snapshot's image when it has one. Idempotent like create."""
         async with self._lock(sandbox_id):
@@ -697,10 +725,11 @@ class SandboxManager:
                 id=sandbox_id, template=snap.template, template_digest=snap.template_digest,
                 cpu=snap.cpu, memory_mb=snap.memory_mb, env=dict(snap.env), user=snap.user,
                 instance_id=ids.instance_id(sandbox_id), source_snapshot=snap_id,
+                disk_mb=disk_mb if disk_mb is not None else snap.disk_mb,
             )
             self._sandboxes[sandbox_id] = sb
             self._save(sb)
-            await self.pool.snapshot(snapshots.rootfs_of(self.pool, source_id, snap_id), d / "rootfs")
+            await self._new_root(sb, snapshots.rootfs_of(self.pool, source_id, snap_id))
             image = snapshots.image_of(self.pool, source_id, snap_id) if snap.kind == "full" else None
             await self._boot(sb, image=image, t0=t0)
             log.info("sandbox.forked", sandbox=sandbox_id, source=source_id, snapshot=snap_id, **sb.timings)
@@ -716,7 +745,7 @@ class SandboxManager:
             sb = LocalSandbox(
                 id=sandbox_id, template=snap.template, template_digest=snap.template_digest,
                 cpu=snap.cpu, memory_mb=snap.memory_mb, env=dict(snap.env), user=snap.user,
-                status="dead", death="suspended",
+                status="dead", death="suspended", disk_mb=snap.disk_mb,
             )
             self._sandboxes[sandbox_id] = sb
             self._save(sb)
@@ -760,7 +789,7 @@ class SandboxManager:
         return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress)
 
     async def restore(self, sandbox_id: str, snap_id: str, prefix: str, *, token: str | None = None,
-                      on_progress: shipping.Progress | None = None) -> LocalSandbox:
+                      on_progress: shipping.Progress | None = None, disk_mb: int | None = None) -> LocalSandbox:
         """Bring a suspended sandbox back on this node: its template (materialized if missing,
         one download shared by concurrent restores), its shipped snapshot (verified before use),
         then a restore of its memory. On failure nothing of it is left on this node."""
@@ -770,7 +799,7 @@ class SandboxManager:
         try:
             snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
             await self.adopt_snapshot(sandbox_id, snap)
-            return await self.rollback(sandbox_id, snap_id, token=token)
+            return await self.rollback(sandbox_id, snap_id, token=token, disk_mb=disk_mb)
         except BaseException:
             if sandbox_id not in self._sandboxes or self._sandboxes[sandbox_id].status != "running":
                 await asyncio.shield(self._forget_dir(sandbox_id))
@@ -802,6 +831,16 @@ class SandboxManager:
                     await self.egress.apply(sid, self._dir(sid), self.egress.network.load(self._dir(sid)))
                 except SpaceError as exc:
                     log.warning("sandbox.egress_reapply_failed", sandbox=sid, error=str(exc))
+
+    async def keep_reserve(self, every: float = 2.0) -> None:
+        """Keep the pool's reserve out of every sandbox's reach as templates, snapshots and
+        deletions change what is free (:meth:`Pool.refresh_reserve`)."""
+        while self.pool.quotas:
+            await asyncio.sleep(every)
+            try:
+                await self.pool.refresh_reserve()
+            except SpaceError as exc:
+                log.warning("pool.reserve_refresh_failed", error=str(exc))
 
     async def watch_gateway(self, every: float = 2.0) -> None:
         """Restart the egress gateway should it die, and give it back what it knew."""

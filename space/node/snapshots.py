@@ -45,6 +45,8 @@ class LocalSnapshot:
     memory_mb: int
     env: dict[str, str]
     user: str | None
+    #: The sandbox's disk limit (MiB; None: none of its own): a fork or restore of it keeps it.
+    disk_mb: int | None = None
     #: Bytes of the memory image (full snapshots), 0 for disk snapshots.
     image_bytes: int = 0
     #: How long the guest was frozen to take it (full snapshots), in milliseconds.

@@ -283,6 +283,7 @@ class WarmPool:
         t0 = time.perf_counter()
         try:
             await self.manager.create(sid, template=key.template, cpu=key.cpu, memory_mb=key.memory_mb,
+                                      disk_mb=self.manager.default_disk_mb,
                                       warm=True)
         except SpaceError as exc:
             st.failures += 1

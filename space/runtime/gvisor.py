@@ -182,15 +182,7 @@ class GVisorDriver:
     async def death_cause(self, instance_id: str) -> str | None:
         # The host OOM killer takes the whole sandbox (RUNTIME_NOTES); its memcg counts the kill and
         # outlives the instance until `runsc delete`.
-        oom = Path("/sys/fs/cgroup/memory/space") / instance_id / "memory.oom_control"
-        try:
-            for line in oom.read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill" and int(value) > 0:
-                    return "oom"
-        except (OSError, ValueError):
-            pass
-        return None
+        return "oom" if oom_killed(instance_id) else None
 
     async def list_instances(self) -> dict[str, str]:
         instances = (await self.priv.call("runtime.list"))["instances"]
@@ -202,6 +194,24 @@ class GVisorDriver:
 
 #: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
 _FREEZER = Path("/sys/fs/cgroup/freezer/space")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def oom_killed(instance_id: str, cgroup_root: Path = CGROUP_ROOT) -> bool:
+    """Whether the memory cgroup of the instance counted an OOM kill: ``memory.oom_control`` of
+    cgroup v1's memory hierarchy, or ``memory.events`` of its cgroup v2 (unified) group; both say
+    ``oom_kill N``."""
+    for path in (cgroup_root / "memory" / "space" / instance_id / "memory.oom_control",
+                 cgroup_root / "space" / instance_id / "memory.events"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                return True
+    return False
 
 
 def _package_root() -> str:

@@ -10,6 +10,19 @@ GUEST_MOUNT = "/opt/space/guest"
 GUEST_ARGV = ["/usr/bin/python3", "-I", "-S", f"{GUEST_MOUNT}/boot.py"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
+#: Host tasks (the sentry's and gofer's threads, systrap's stubs) of one sandbox: bounds a guest
+#: that makes the sentry spawn host threads (measured idle: 13-30).
+HOST_PIDS = 4096
+
+
+def guest_processes(memory_mb: int) -> int:
+    """The most processes one user may have inside a sandbox (``RLIMIT_NPROC``, enforced by the
+    gVisor kernel per real uid on every fork/clone, capabilities CAP_SYS_ADMIN and
+    CAP_SYS_RESOURCE excepted, which no sandbox has): a fork bomb meets EAGAIN at this count
+    instead of growing until the memory limit kills the whole sandbox. Scaled with the memory
+    limit, so that this many small processes still fit in it: measured, a shell's fork bomb held
+    at 128 processes still filled 512 MiB (a process costs the sentry ~4 MiB), so 8 MiB each."""
+    return max(32, min(memory_mb // 8, 32768))
 #: Root inside the sandbox gets the usual container set: enough to switch users, chown and install
 #: packages; the gVisor kernel, not capabilities, is the isolation boundary.
 CAPABILITIES = [
@@ -23,10 +36,11 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
     resources: dict[str, Any] = {
         "memory": {"limit": spec.memory_mb * 1024 * 1024},
         "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
-        "pids": {"limit": 4096},
+        "pids": {"limit": HOST_PIDS},
     }
     if spec.cpu_shares is not None:
         resources["cpu"]["shares"] = spec.cpu_shares
+    nproc = guest_processes(spec.memory_mb)
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -37,7 +51,8 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
             "user": {"uid": 0, "gid": 0},
             "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": False,
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576},
+                        {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}],
         },
         "root": {"path": str(spec.rootfs), "readonly": False},
         "hostname": spec.hostname,

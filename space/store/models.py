@@ -166,6 +166,9 @@ class Sandbox(Base):
     instance_id: Mapped[str | None] = mapped_column(String(64))
     cpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)
+    #: MiB its root may write beyond its template (None: no limit of its own); every root it gets
+    #: on any node (rollback, restore, fork) is born with it.
+    disk_mb: Mapped[int | None] = mapped_column(Integer)
     env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     #: ``metadata`` is taken by the declarative base, hence the attribute name.
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSON, default=dict)
@@ -319,6 +322,11 @@ class TenantQuota(Base):
     cpu: Mapped[float | None] = mapped_column(Float)
     memory_mb: Mapped[int | None] = mapped_column(Integer)
     storage_mb: Mapped[int | None] = mapped_column(Integer)
+    #: The largest disk limit one of its sandboxes may have (MiB).
+    disk_mb: Mapped[int | None] = mapped_column(Integer)
+    #: Whether its limits were ever set: a tenant whose limits never were gets the defaults (the
+    #: row of :data:`space.store.quotas.DEFAULTS`); an egress default alone does not set them.
+    quota_set: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     #: The tenant's default egress policy: a layer under every sandbox's own (both must allow).
     egress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: The private ranges (CIDRs) the operator opens to this tenant, inside the deployment's

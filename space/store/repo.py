@@ -67,7 +67,7 @@ _T = TypeVar("_T")
 
 #: Sandbox columns a caller may change besides the state.
 SANDBOX_FIELDS = frozenset(
-    {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "env", "meta",
+    {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "disk_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
      "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
      "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce"}
@@ -700,29 +700,46 @@ class Store:
             return list(await s.scalars(q))
 
     # ---- quotas ---------------------------------------------------------------------------------
-    # Limits per tenant (``tenant_quotas``; no row or a NULL column is unlimited) and their usage;
-    # what counts and when is documented in space/store/quotas.py. Enforcement is inside the write
-    # transactions that insert sandboxes and snapshots (create_sandbox, create_sandboxes,
-    # start_operation); check_quota is only an early, non-atomic test.
+    # Limits per tenant (``tenant_quotas``; a tenant whose limits were never set gets the defaults'
+    # row, a NULL column is unlimited) and their usage; what counts and when is documented in
+    # space/store/quotas.py. Enforcement is inside the write transactions that insert sandboxes and
+    # snapshots (create_sandbox, create_sandboxes, start_operation); check_quota is only an early,
+    # non-atomic test.
 
     async def get_quota(self, tenant: str) -> TenantQuota | None:
         async with self._tx(write=False) as s:
             return await s.get(TenantQuota, tenant)
 
+    async def effective_quota(self, tenant: str) -> tuple[quotas.Limits | None, str]:
+        """The limits that hold for ``tenant`` and their source (:func:`space.store.quotas.effective`)."""
+        async with self._tx(write=False) as s:
+            return quotas.effective(await s.execute(quotas.LIMITS, {"tenant": tenant}), tenant)
+
     async def put_quota(self, tenant: str, limits: Mapping[str, int | float | None]) -> TenantQuota:
-        """Set the limits named in ``limits`` (None: unlimited); the others stay as they are."""
+        """Set the limits named in ``limits`` (None: unlimited); the others stay as they are. From
+        then on the tenant has limits of its own: the defaults no longer apply to it. ``tenant``
+        :data:`space.store.quotas.DEFAULTS` sets the defaults."""
         if not tenant:
             raise InvalidRequest("tenant must not be empty")
-        bad = sorted(set(limits) - set(quotas.RESOURCES))
+        bad = sorted(set(limits) - set(quotas.LIMIT_FIELDS))
         if bad:
             raise InvalidRequest(f"unknown quota resource(s) {', '.join(bad)}")
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"quota_set": True}
         for name, value in limits.items():
             if value is not None and (value < 0 or (name != "cpu" and int(value) != value)):
                 raise InvalidRequest(f"quota {name} must be a non-negative {'number' if name == 'cpu' else 'integer'}"
                                      " or null (unlimited)", field=name)
             values[name] = None if value is None else (float(value) if name == "cpu" else int(value))
         return await self._upsert_quota(tenant, values)
+
+    async def seed_quota(self, tenant: str, limits: Mapping[str, int | float | None]) -> bool:
+        """Set ``tenant``'s limits only if they were never set; whether it did."""
+        async with self._tx(write=False) as s:
+            row = await s.get(TenantQuota, tenant)
+        if row is not None and row.quota_set:
+            return False
+        await self.put_quota(tenant, limits)
+        return True
 
     async def set_tenant_egress(self, tenant: str, egress: dict[str, Any]) -> TenantQuota:
         """Store the tenant's default egress policy (validated by the caller); limits stay."""
@@ -762,7 +779,7 @@ class Store:
             return
         args = {"tenant": tenant}
         async with self._tx(write=False) as s:
-            limits = quotas.Limits.of((await s.execute(quotas.LIMITS, args)).one_or_none())
+            limits, _ = quotas.effective(await s.execute(quotas.LIMITS, args), tenant)
             if limits is None or not quotas.relevant(limits, demand):
                 return
             counted = (await s.execute(quotas.SANDBOX_USAGE, args)).one_or_none() if demand.sandboxes else None
@@ -770,13 +787,20 @@ class Store:
         quotas.enforce(tenant, limits, quotas.usage_from(counted, stored), demand)
 
     async def _enforce_quota(self, s: AsyncSession, tenant: str, demand: quotas.QuotaDemand) -> None:
-        """Inside a write transaction: lock the tenant's limits (PostgreSQL) and check ``demand``."""
+        """Inside a write transaction: lock the tenant's row (PostgreSQL) and check ``demand``."""
         if demand.empty:
             return
         args = {"tenant": tenant}
-        limits = quotas.Limits.of((await s.execute(quotas.LIMITS_LOCKED, args)).one_or_none())
+        rows = list(await s.execute(quotas.LIMITS, args))
+        limits, _ = quotas.effective(rows, tenant)
         if limits is None or not quotas.relevant(limits, demand):
             return
+        if self.dialect == "postgresql":
+            if not any(row[0] == tenant for row in rows):
+                # A tenant on the defaults has no row to lock yet: make one (its limits stay unset).
+                await s.execute(self._insert(TenantQuota).values(tenant=tenant, egress={}, updated_at=utcnow())
+                                .on_conflict_do_nothing(index_elements=[TenantQuota.tenant]))
+            await s.execute(quotas.OWN_LOCKED, args)
         counted = (await s.execute(quotas.SANDBOX_USAGE, args)).one_or_none() if demand.sandboxes else None
         stored = await s.scalar(quotas.STORAGE_USAGE, args) if demand.storage else 0
         quotas.enforce(tenant, limits, quotas.usage_from(counted, stored), demand)
@@ -791,7 +815,9 @@ class Store:
     def _check_sqlite(conn: Connection, tenant: str, demand: quotas.QuotaDemand) -> None:
         """The quota test in driver SQL on a synchronous SQLite connection (~25 µs a lookup
         against ~130 µs through the ORM)."""
-        limits = quotas.Limits.of(conn.exec_driver_sql(quotas.SQLITE_LIMITS, (tenant,)).first())
+        if demand.empty:
+            return
+        limits, _ = quotas.effective(conn.exec_driver_sql(quotas.SQLITE_LIMITS, (tenant,)).all(), tenant)
         if limits is None or not quotas.relevant(limits, demand):
             return
         counted = (conn.exec_driver_sql(quotas.SQLITE_SANDBOX_USAGE, (tenant,)).first()

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.config import DEFAULT_QUOTA
 from tests.e2e.harness import SPACE, Server, create_sandbox, run, wait_operation
 from tests.waiting import wait_for
 
@@ -201,8 +202,9 @@ def test_roles_and_the_operator(server: Server, api: httpx.Client, make_tenant: 
 
 def test_quotas(server: Server, api: httpx.Client, make_tenant: Any) -> None:
     t = make_tenant("quota")
+    # A tenant whose limits were never set has the defaults (finding 11 of issue 13).
     assert t.member.get("/v1/quota").json() == {
-        "tenant": t.name, "limits": {"sandboxes": None, "cpu": None, "memory_mb": None, "storage_mb": None},
+        "tenant": t.name, "limits": DEFAULT_QUOTA, "source": "default",
         "usage": {"sandboxes": 0, "cpu": 0.0, "memory_mb": 0, "storage_mb": 0.0}, "updated_at": None}
     r = api.put(f"/v1/tenants/{t.name}/quota", json={"sandboxes": 2})
     assert r.status_code == 200 and r.json()["limits"]["sandboxes"] == 2
@@ -309,10 +311,11 @@ def test_cli(server: Server, make_tenant: Any) -> None:
 
     set_ = space("quota", "set", t.name, "--sandboxes", "5", "--cpu", "2.5", "--json")
     assert set_.returncode == 0, set_.stderr
-    assert json.loads(set_.stdout)["limits"] == {"sandboxes": 5, "cpu": 2.5, "memory_mb": None, "storage_mb": None}
+    assert json.loads(set_.stdout)["limits"] == {"sandboxes": 5, "cpu": 2.5, "memory_mb": None, "storage_mb": None,
+                                                 "disk_mb": None}
     cleared = space("quota", "set", t.name, "--sandboxes", "none", "--memory", "1024", "--json")
     assert json.loads(cleared.stdout)["limits"] == {"sandboxes": None, "cpu": 2.5, "memory_mb": 1024,
-                                                    "storage_mb": None}
+                                                    "storage_mb": None, "disk_mb": None}
     shown = space("quota", "get", t.name)
     assert shown.returncode == 0 and "unlimited" in shown.stdout and "2.5" in shown.stdout
     bad = space("quota", "set", t.name, "--sandboxes", "lots")
@@ -336,7 +339,7 @@ def test_sdk(server: Server, make_tenant: Any) -> None:
     with Client(server.url, server.admin_key) as op, Client(server.url, t.admin.headers["authorization"][7:]) as mine:
         assert op.quotas.set(t.name, sandboxes=4, cpu=2.0)["limits"]["sandboxes"] == 4
         q = op.quotas.set(t.name, sandboxes=None)  # cpu left out: it stays
-        assert q["limits"] == {"sandboxes": None, "cpu": 2.0, "memory_mb": None, "storage_mb": None}
+        assert q["limits"] == {"sandboxes": None, "cpu": 2.0, "memory_mb": None, "storage_mb": None, "disk_mb": None}
         assert mine.quotas.get()["limits"] == q["limits"] and mine.quotas.get(t.name)["tenant"] == t.name
         with pytest.raises(errors.Forbidden):
             mine.quotas.set(t.name, sandboxes=100)

@@ -55,8 +55,10 @@ class FakeManager:
         self.fail_boots = 0
         self.concurrent = 0
         self.max_concurrent = 0
+        self.default_disk_mb: int | None = 1024
 
-    async def create(self, sid: str, *, template: str, cpu: float, memory_mb: int, warm: bool) -> LocalSandbox:
+    async def create(self, sid: str, *, template: str, cpu: float, memory_mb: int, warm: bool,
+                     disk_mb: int | None = None) -> LocalSandbox:
         self.concurrent += 1
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         try:
@@ -70,7 +72,7 @@ class FakeManager:
                 raise RuntimeFailure("boot failed")
             sb = LocalSandbox(id=sid, template=template, template_digest=self.templates.digest, cpu=cpu,
                               memory_mb=memory_mb, env={}, user="user", instance_id=f"{sid}-i",
-                              status="running", warm=warm)
+                              status="running", warm=warm, disk_mb=disk_mb)
             self.sandboxes[sid] = sb
             return sb
         finally:
@@ -137,6 +139,7 @@ async def test_fills_one_at_a_time_and_claims_oldest_once(tmp_path: Path) -> Non
         order = list(pool._keys[KEY].ready)
         sb = pool.claim(KEY, {"A": "1"})
         assert sb.id == order[0] and not sb.warm and sb.env == {"A": "1"}
+        assert sb.disk_mb == m.default_disk_mb  # warm ones boot with the node's default disk limit
         # Refilled, and the claimed one never comes back.
         await await_for(lambda: _ready(pool, 3), 10, "refill")
         assert sb.id not in pool._keys[KEY].ready

@@ -23,11 +23,32 @@ Layouts and numbers follow ``include/uapi/linux/btrfs.h`` (Linux 6.x):
   align[7]; }`` (4096 bytes; EOVERFLOW: more to come from the updated min_treeid)
 - ``BTRFS_IOC_INO_LOOKUP_USER _IOWR(0x94, 62, struct btrfs_ioctl_ino_lookup_user_args)``:
   ``{ __u64 dirid, treeid; char name[BTRFS_VOL_NAME_MAX + 1]; char path[4080 - 256]; }`` (4096)
-- ``BTRFS_SUBVOL_RDONLY (1ULL << 1)``
+- ``BTRFS_SUBVOL_RDONLY (1ULL << 1)``, ``BTRFS_SUBVOL_QGROUP_INHERIT (1ULL << 2)``: the v2 args'
+  first union is then ``{ __u64 size; struct btrfs_qgroup_inherit *qgroup_inherit; }``
+- ``BTRFS_IOC_INO_LOOKUP       _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args)``: ``{ __u64
+  treeid, objectid; char name[4080]; }`` (treeid 0: the kernel fills in the fd's subvolume id)
+- ``BTRFS_IOC_QUOTA_CTL        _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args { __u64 cmd, status; })``,
+  ``BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA 4`` (Linux >= 6.7)
+- ``BTRFS_IOC_QGROUP_ASSIGN    _IOW(0x94, 41, { __u64 assign, src, dst; })``
+- ``BTRFS_IOC_QGROUP_CREATE    _IOW(0x94, 42, { __u64 create, qgroupid; })``
+- ``BTRFS_IOC_QGROUP_LIMIT     _IOR(0x94, 43, { __u64 qgroupid; struct btrfs_qgroup_limit lim; })``
+  (``_IOR`` in the header, though the kernel only reads it)
+- ``struct btrfs_qgroup_limit { __u64 flags, max_rfer, max_excl, rsv_rfer, rsv_excl; }``,
+  ``BTRFS_QGROUP_LIMIT_MAX_EXCL (1ULL << 1)``
+- ``struct btrfs_qgroup_inherit { __u64 flags, num_qgroups, num_ref_copies, num_excl_copies; struct
+  btrfs_qgroup_limit lim; __u64 qgroups[]; }``, ``BTRFS_QGROUP_INHERIT_SET_LIMITS (1ULL << 0)``
+- ``BTRFS_IOC_TREE_SEARCH     _IOWR(0x94, 17, struct btrfs_ioctl_search_args)``: ``{ struct
+  btrfs_ioctl_search_key { __u64 tree_id, min_objectid, max_objectid, min_offset, max_offset,
+  min_transid, max_transid; __u32 min_type, max_type, nr_items, unused; __u64 unused1..4; }; char
+  buf[4096 - 104]; }``, each result a ``{ __u64 transid, objectid, offset; __u32 type, len; }``
+  header and its item; the quota tree is tree 8, a qgroup's usage its ``BTRFS_QGROUP_INFO_KEY``
+  (242) item at offset qgroupid: ``{ __u64 generation, rfer, rfer_cmpr, excl, excl_cmpr; }``
+- a qgroup id is ``level << 48 | id``; a subvolume's own qgroup is ``0/<subvolume id>``
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -78,6 +99,31 @@ BTRFS_IOC_GET_SUBVOL_ROOTREF = _iowr(BTRFS_IOCTL_MAGIC, 61, _ROOTREF.size)
 BTRFS_IOC_INO_LOOKUP_USER = _iowr(BTRFS_IOCTL_MAGIC, 62, _INO_LOOKUP_USER.size)
 BTRFS_IOC_SNAP_DESTROY_V2 = _iow(BTRFS_IOCTL_MAGIC, 63, _VOL_ARGS_V2.size)
 
+BTRFS_SUBVOL_QGROUP_INHERIT = 1 << 2
+_VOL_ARGS_V2_INHERIT = struct.Struct(f"=qQQQQ2Q{BTRFS_SUBVOL_NAME_MAX + 1}s")  # size, pointer, unused[2]
+_INO_LOOKUP = struct.Struct("=QQ4080s")
+_QUOTA_CTL = struct.Struct("=QQ")
+_QGROUP_ASSIGN = struct.Struct("=QQQ")
+_QGROUP_CREATE = struct.Struct("=QQ")
+_QGROUP_LIMIT = struct.Struct("=Q5Q")
+_QGROUP_INHERIT = struct.Struct("=4Q5Q")  # without the qgroups[] that follow
+assert _VOL_ARGS_V2_INHERIT.size == _INO_LOOKUP.size == 4096
+BTRFS_IOC_INO_LOOKUP = _iowr(BTRFS_IOCTL_MAGIC, 18, _INO_LOOKUP.size)
+BTRFS_IOC_QUOTA_CTL = _iowr(BTRFS_IOCTL_MAGIC, 40, _QUOTA_CTL.size)
+BTRFS_IOC_QGROUP_ASSIGN = _iow(BTRFS_IOCTL_MAGIC, 41, _QGROUP_ASSIGN.size)
+BTRFS_IOC_QGROUP_CREATE = _iow(BTRFS_IOCTL_MAGIC, 42, _QGROUP_CREATE.size)
+BTRFS_IOC_QGROUP_LIMIT = _ior(BTRFS_IOCTL_MAGIC, 43, _QGROUP_LIMIT.size)
+_SEARCH_KEY = struct.Struct("=7Q4L4Q")
+_SEARCH_HEADER = struct.Struct("=3Q2L")
+_QGROUP_INFO = struct.Struct("=5Q")
+BTRFS_IOC_TREE_SEARCH = _iowr(BTRFS_IOCTL_MAGIC, 17, 4096)
+BTRFS_QUOTA_TREE_OBJECTID = 8
+BTRFS_QGROUP_INFO_KEY = 242
+BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA = 4
+BTRFS_QGROUP_LIMIT_MAX_EXCL = 1 << 1
+BTRFS_QGROUP_INHERIT_SET_LIMITS = 1 << 0
+_CLEAR_VALUE = (1 << 64) - 1  # a limit of (u64)-1 clears it (fs/btrfs/qgroup.c)
+
 #: Inode number of every subvolume's root directory (BTRFS_FIRST_FREE_OBJECTID).
 SUBVOLUME_INO = 256
 
@@ -100,11 +146,29 @@ def subvol_create(parent_fd: int, name: str) -> None:
     _call(parent_fd, BTRFS_IOC_SUBVOL_CREATE, buf)
 
 
-def snapshot(src_fd: int, dst_parent_fd: int, name: str, *, readonly: bool) -> None:
-    """Snapshot the subvolume open as ``src_fd`` to ``name`` in ``dst_parent_fd``."""
+def snapshot(src_fd: int, dst_parent_fd: int, name: str, *, readonly: bool,
+             limit_bytes: int | None = None, parent_qgroups: tuple[int, ...] = ()) -> None:
+    """Snapshot the subvolume open as ``src_fd`` to ``name`` in ``dst_parent_fd``.
+
+    With ``limit_bytes`` or ``parent_qgroups`` (quotas enabled), the new subvolume's qgroup is born
+    with that exclusive-bytes limit and as a member of those qgroups: one ioctl, so no window
+    exists in which the subvolume is writable without its limit.
+    """
     flags = BTRFS_SUBVOL_RDONLY if readonly else 0
-    buf = bytearray(_VOL_ARGS_V2.pack(src_fd, 0, flags, 0, 0, 0, 0, _name(name, BTRFS_SUBVOL_NAME_MAX)))
+    raw_name = _name(name, BTRFS_SUBVOL_NAME_MAX)
+    if limit_bytes is None and not parent_qgroups:
+        buf = bytearray(_VOL_ARGS_V2.pack(src_fd, 0, flags, 0, 0, 0, 0, raw_name))
+        _call(dst_parent_fd, BTRFS_IOC_SNAP_CREATE_V2, buf)
+        return
+    lim_flags = BTRFS_QGROUP_LIMIT_MAX_EXCL if limit_bytes is not None else 0
+    inherit = _QGROUP_INHERIT.pack(BTRFS_QGROUP_INHERIT_SET_LIMITS, len(parent_qgroups), 0, 0,
+                                   lim_flags, 0, limit_bytes or 0, 0, 0)
+    inherit += b"".join(_U64.pack(q) for q in parent_qgroups)
+    held = ctypes.create_string_buffer(inherit, len(inherit))  # the kernel copies it in from here
+    buf = bytearray(_VOL_ARGS_V2_INHERIT.pack(src_fd, 0, flags | BTRFS_SUBVOL_QGROUP_INHERIT, len(inherit),
+                                              ctypes.addressof(held), 0, 0, raw_name))
     _call(dst_parent_fd, BTRFS_IOC_SNAP_CREATE_V2, buf)
+    del held
 
 
 def destroy(parent_fd: int, name: str) -> None:
@@ -178,3 +242,63 @@ def child_subvolumes(fd: int) -> list[tuple[str, str]]:
         _, _, name, path = _INO_LOOKUP_USER.unpack(buf)
         out.append((os.fsdecode(path.split(b"\0", 1)[0]).rstrip("/"), os.fsdecode(name.split(b"\0", 1)[0])))
     return out
+
+
+# -- quotas ---------------------------------------------------------------------------------------
+
+
+def qgroup_id(level: int, ident: int) -> int:
+    return (level << 48) | ident
+
+
+def subvolume_id(fd: int) -> int:
+    """The id of the subvolume ``fd`` is in (so its own qgroup is ``0/<id>``)."""
+    buf = bytearray(_INO_LOOKUP.pack(0, SUBVOLUME_INO, b""))
+    _call(fd, BTRFS_IOC_INO_LOOKUP, buf)
+    treeid: int = _INO_LOOKUP.unpack(buf)[0]
+    return treeid
+
+
+def enable_simple_quota(fd: int) -> None:
+    """Turn on simple quotas (squota) on the filesystem of ``fd``; EINVAL/EOPNOTSUPP before 6.7,
+    and the kernel refuses while another quota mode is on."""
+    _call(fd, BTRFS_IOC_QUOTA_CTL, bytearray(_QUOTA_CTL.pack(BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA, 0)))
+
+
+def qgroup_create(fd: int, qgroup: int) -> None:
+    """Create ``qgroup`` (EEXIST if it is there)."""
+    _call(fd, BTRFS_IOC_QGROUP_CREATE, bytearray(_QGROUP_CREATE.pack(1, qgroup)))
+
+
+def qgroup_assign(fd: int, member: int, parent: int) -> None:
+    """Make ``member`` a child of ``parent`` (EEXIST if it is already)."""
+    _call(fd, BTRFS_IOC_QGROUP_ASSIGN, bytearray(_QGROUP_ASSIGN.pack(1, member, parent)))
+
+
+def qgroup_limit(fd: int, qgroup: int, max_excl: int | None) -> None:
+    """Limit the exclusive bytes of ``qgroup`` (None: no limit, the kernel's CLEAR_VALUE)."""
+    value = _CLEAR_VALUE if max_excl is None else max_excl
+    _call(fd, BTRFS_IOC_QGROUP_LIMIT,
+          bytearray(_QGROUP_LIMIT.pack(qgroup, BTRFS_QGROUP_LIMIT_MAX_EXCL, 0, value, 0, 0)))
+
+
+def qgroup_excl(fd: int, qgroup: int) -> int | None:
+    """The exclusive bytes ``qgroup`` holds as of the last transaction commit (None: no such
+    qgroup, or quotas are off)."""
+    u64_max = (1 << 64) - 1
+    key = _SEARCH_KEY.pack(BTRFS_QUOTA_TREE_OBJECTID, 0, 0, qgroup, qgroup, 0, u64_max,
+                           BTRFS_QGROUP_INFO_KEY, BTRFS_QGROUP_INFO_KEY, 1, 0, 0, 0, 0, 0)
+    buf = bytearray(key + bytes(4096 - len(key)))
+    try:
+        _call(fd, BTRFS_IOC_TREE_SEARCH, buf)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:  # no quota tree
+            return None
+        raise
+    if _SEARCH_KEY.unpack_from(buf)[9] < 1:  # nr_items found
+        return None
+    _, _, offset, kind, length = _SEARCH_HEADER.unpack_from(buf, _SEARCH_KEY.size)
+    if offset != qgroup or kind != BTRFS_QGROUP_INFO_KEY or length < _QGROUP_INFO.size:
+        return None
+    excl: int = _QGROUP_INFO.unpack_from(buf, _SEARCH_KEY.size + _SEARCH_HEADER.size)[3]
+    return excl

@@ -10,6 +10,7 @@ over RPC, so a test of a verb is a test of what the helper accepts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -128,9 +129,29 @@ def verb(name: str, args: type[A], *, cap: float, fds: tuple[str, ...] = (), str
     def register(fn: VerbImpl[A]) -> VerbImpl[A]:
         if name in REGISTRY:
             raise RuntimeError(f"verb {name} registered twice")
-        REGISTRY[name] = Verb(name, args, fn, cap, fds, streaming, audit)
+        REGISTRY[name] = Verb(name, args, _full_is_storage(name, fn), cap, fds, streaming, audit)
         return fn
     return register
+
+
+def _full_is_storage(name: str, fn: VerbImpl[A]) -> VerbImpl[A]:
+    """A verb that meets a full pool (ENOSPC) or a disk limit (EDQUOT: a sandbox root's, or the
+    share all sandbox roots may take) says so: ``insufficient_storage`` (507), not an internal error."""
+    import errno
+    import functools
+
+    from space.errors import InsufficientStorage
+
+    @functools.wraps(fn)
+    async def wrapped(ctx: HelperContext, args: A, call: Call) -> dict[str, Any]:
+        try:
+            return await fn(ctx, args, call)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise InsufficientStorage(f"{name}: no room in the node's pool ({os.strerror(exc.errno)})",
+                                      verb=name) from None
+    return wrapped
 
 
 def lookup(name: str) -> Verb:

@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from space.node.helper.confine import (
     parse_rel,
     umount_fd,
 )
-from space.node.helper.verbs import Call, HelperContext, verb
+from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.mountinfo import mounts
 
 log = structlog.get_logger(__name__)
@@ -43,11 +43,37 @@ class RelArgs:
     rel: str
 
 
+_LIMIT_MAX = 1 << 60  # bytes: beyond any pool, below the kernel's "no limit" value
+
+
 @dataclass(frozen=True)
 class SnapshotArgs:
     src: str
     dst: str
     readonly: bool = False
+    #: A sandbox's root: born in the qgroup of every sandbox root (:data:`SANDBOXES_QGROUP`), with
+    #: this limit on the bytes it writes (None: only the group's). Only while quotas are on.
+    sandbox_root: bool = False
+    limit_bytes: int | None = field(default=None, metadata=check(lambda v: 0 < v <= _LIMIT_MAX, "1..2**60"))
+
+
+@dataclass(frozen=True)
+class LimitArgs:
+    rel: str
+    limit_bytes: int | None = field(default=None, metadata=check(lambda v: 0 < v <= _LIMIT_MAX, "1..2**60"))
+
+
+@dataclass(frozen=True)
+class QuotaArgs:
+    #: Bytes of the pool no sandbox root may take: the node's own work (snapshots' memory images,
+    #: receives, templates, its state) always has this much.
+    reserve_bytes: int = field(metadata=check(lambda v: 0 <= v <= _LIMIT_MAX, "0..2**60"))
+    #: False: quotas are on already, only move the cap (the periodic call).
+    enable: bool = True
+
+
+#: The qgroup that holds every sandbox root's (level 1, id 1): its limit keeps the reserve free.
+SANDBOXES_QGROUP = ioc.qgroup_id(1, 1)
 
 
 @dataclass(frozen=True)
@@ -100,7 +126,11 @@ async def subvol_create(ctx: HelperContext, args: RelArgs, call: Call) -> dict[s
     return {}
 
 
-def _snapshot(root: Path, src: str, dst: str, readonly: bool) -> None:
+#: A sandbox root's quota at birth: its limit (None: none of its own) and the qgroups it joins.
+RootQuota = tuple[int | None, tuple[int, ...]]
+
+
+def _snapshot(root: Path, src: str, dst: str, readonly: bool, limit: RootQuota | None = None) -> None:
     with PoolRoot.open(root) as pool:
         try:
             with pool.resolve(src) as s:
@@ -115,7 +145,11 @@ def _snapshot(root: Path, src: str, dst: str, readonly: bool) -> None:
                 if d.lstat() is not None:
                     raise Conflict(f"already exists: {dst}", path=dst)
                 try:
-                    ioc.snapshot(src_fd, d.parent_fd, d.name, readonly=readonly)
+                    if limit is None:
+                        ioc.snapshot(src_fd, d.parent_fd, d.name, readonly=readonly)
+                    else:
+                        ioc.snapshot(src_fd, d.parent_fd, d.name, readonly=readonly,
+                                     limit_bytes=limit[0], parent_qgroups=limit[1])
                 except OSError as exc:
                     if exc.errno == errno.EXDEV:
                         raise InvalidPath(f"{src} and {dst} are on different filesystems", path=dst) from None
@@ -126,7 +160,87 @@ def _snapshot(root: Path, src: str, dst: str, readonly: bool) -> None:
 
 @verb("subvol.snapshot", SnapshotArgs, cap=60)
 async def subvol_snapshot(ctx: HelperContext, args: SnapshotArgs, call: Call) -> dict[str, Any]:
-    await asyncio.to_thread(_snapshot, pool_root_of(ctx), args.src, args.dst, args.readonly)
+    limit = (args.limit_bytes, (SANDBOXES_QGROUP,)) if args.sandbox_root else None
+    await asyncio.to_thread(_snapshot, pool_root_of(ctx), args.src, args.dst, args.readonly, limit)
+    return {}
+
+
+# -- quotas ---------------------------------------------------------------------------------------
+# Simple quotas (squota, Linux >= 6.7): every extent is charged to the subvolume that wrote it, for
+# its whole life, whoever shares it later. A sandbox root made by snapshotting a template is charged
+# only for what the sandbox writes (the template's extents stay the template's), and snapshotting
+# the root does not uncharge it (under full qgroups, a sandbox's exclusive bytes drop as soon as a
+# snapshot shares them, so "snapshot, write again" would escape the limit). Nor does squota walk
+# back-references at every commit as full qgroups do. See docs/notes/quotas.md.
+
+
+def _enable_quotas(root: Path, reserve: int, enable: bool) -> dict[str, Any]:
+    with PoolRoot.open(root) as pool:
+        fd = openat2(pool.fd, ".", _DIR, CONFINED)  # the root's fd is O_PATH: no ioctls on it
+    try:
+        if not enable:
+            return _cap_sandboxes(fd, reserve)
+        try:
+            ioc.enable_simple_quota(fd)  # a no-op when a quota mode is on already
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTTY, errno.EPERM):
+                raise
+            return {"enabled": False, "error": f"the kernel refused simple quotas: {os.strerror(exc.errno or 0)}"}
+        with contextlib.suppress(FileExistsError):
+            ioc.qgroup_create(fd, SANDBOXES_QGROUP)
+        return _cap_sandboxes(fd, reserve)
+    finally:
+        os.close(fd)
+
+
+def _cap_sandboxes(fd: int, reserve: int) -> dict[str, Any]:
+    """Let all sandbox roots together grow only by what is free beyond ``reserve``: the limit of
+    their qgroup becomes what they hold + the pool's free bytes - ``reserve``. Templates, snapshot
+    images and received streams are not in that qgroup, so the limit follows them as they come and
+    go (the agent calls this again every few seconds and after each such change). The usage is the
+    last commit's, so between commits the cap errs on the tight side, never the loose one."""
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    held = ioc.qgroup_excl(fd, SANDBOXES_QGROUP) or 0
+    cap = max(held + free - reserve, 1 << 20)
+    ioc.qgroup_limit(fd, SANDBOXES_QGROUP, cap)
+    return {"enabled": True, "sandboxes_bytes": held, "sandboxes_limit_bytes": cap, "free_bytes": free,
+            "reserve_bytes": reserve}
+
+
+@verb("pool.quota", QuotaArgs, cap=120, audit=False)
+async def pool_quota(ctx: HelperContext, args: QuotaArgs, call: Call) -> dict[str, Any]:
+    """Turn quotas on in the pool (idempotent) and cap what all sandbox roots together may hold
+    at the pool's size less ``reserve_bytes``."""
+    return await asyncio.to_thread(_enable_quotas, pool_root_of(ctx), args.reserve_bytes, args.enable)
+
+
+def _limit(root: Path, rel: str, limit: int | None) -> None:
+    with PoolRoot.open(root) as pool:
+        with pool.resolve(rel) as r:
+            fd = _open_subvolume(r)
+        try:
+            qgroup = ioc.qgroup_id(0, ioc.subvolume_id(fd))
+        finally:
+            os.close(fd)
+        # Through the top level, not the root itself: the ioctl's transaction reserves metadata in
+        # the subvolume it is called on, and a root at its limit would refuse a change of it.
+        top = openat2(pool.fd, ".", _DIR, CONFINED)
+    try:
+        ioc.qgroup_limit(top, qgroup, limit)
+        with contextlib.suppress(FileExistsError):
+            ioc.qgroup_assign(top, qgroup, SANDBOXES_QGROUP)
+    except OSError as exc:
+        raise _os_failure(exc, "cannot limit", rel) from None
+    finally:
+        os.close(top)
+
+
+@verb("subvol.limit", LimitArgs, cap=60)
+async def subvol_limit(ctx: HelperContext, args: LimitArgs, call: Call) -> dict[str, Any]:
+    """Set the limit on the bytes a sandbox root writes (None: no limit of its own) and make it a
+    member of the sandbox roots' qgroup."""
+    await asyncio.to_thread(_limit, pool_root_of(ctx), args.rel, args.limit_bytes)
     return {}
 
 

@@ -26,9 +26,10 @@ class AsyncQuotas:
         self._http = http
 
     async def get(self, tenant: str | None = None) -> JSON:
-        """``{"tenant", "limits", "usage", "updated_at"}`` of ``tenant`` (default: the key's own).
-        ``limits`` and ``usage`` have ``sandboxes``, ``cpu``, ``memory_mb``, ``storage_mb``; a
-        ``None`` limit is unlimited."""
+        """``{"tenant", "limits", "source", "usage", "updated_at"}`` of ``tenant`` (default: the
+        key's own). ``limits`` and ``usage`` have ``sandboxes``, ``cpu``, ``memory_mb``,
+        ``storage_mb`` (``limits`` also ``disk_mb``, the largest disk limit of one sandbox); a
+        ``None`` limit is unlimited; ``source`` is ``default`` while the tenant has the defaults."""
         if tenant is None:
             return await self._http.json("GET", "/v1/quota")
         return await self._http.json("GET", f"/v1/tenants/{quote(tenant, safe='')}/quota")
@@ -41,11 +42,32 @@ class AsyncQuotas:
         cpu: float | Unset | None = UNSET,
         memory_mb: int | Unset | None = UNSET,
         storage_mb: int | Unset | None = UNSET,
+        disk_mb: int | Unset | None = UNSET,
     ) -> JSON:
         """Change the limits given (``None``: unlimited); the others stay. Operator keys only."""
-        given = {"sandboxes": sandboxes, "cpu": cpu, "memory_mb": memory_mb, "storage_mb": storage_mb}
+        given = {"sandboxes": sandboxes, "cpu": cpu, "memory_mb": memory_mb, "storage_mb": storage_mb,
+                 "disk_mb": disk_mb}
         body = {k: v for k, v in given.items() if v is not UNSET}
         return await self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/quota", json=body)
+
+    async def get_defaults(self) -> JSON:
+        """``{"limits", "updated_at"}``: the limits of every tenant whose own were never set."""
+        return await self._http.json("GET", "/v1/quota/defaults")
+
+    async def set_defaults(
+        self,
+        *,
+        sandboxes: int | Unset | None = UNSET,
+        cpu: float | Unset | None = UNSET,
+        memory_mb: int | Unset | None = UNSET,
+        storage_mb: int | Unset | None = UNSET,
+        disk_mb: int | Unset | None = UNSET,
+    ) -> JSON:
+        """Change the default limits given (``None``: unlimited); the others stay. Operator keys only."""
+        given = {"sandboxes": sandboxes, "cpu": cpu, "memory_mb": memory_mb, "storage_mb": storage_mb,
+                 "disk_mb": disk_mb}
+        body = {k: v for k, v in given.items() if v is not UNSET}
+        return await self._http.json("PUT", "/v1/quota/defaults", json=body)
 
     async def get_egress(self, tenant: str) -> JSON:
         """The tenant's default egress policy document (``{}``: none)."""
