@@ -38,7 +38,8 @@ DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 _LOGGING: Final = ("SPACE_LOG_LEVEL",)
 #: The node agent's settings (``NodeSettings``, failpoints, the gateway's interpreter for its helper).
 _NODE_SETTINGS: Final = ("SPACE_NODE_USER", "SPACE_SSE_KEEPALIVE", "SPACE_GATEWAY_HOSTS_FILE",
-                         "SPACE_GATEWAY_UPSTREAM_CA", "SPACE_GATEWAY_PYTHON", "SPACE_FAILPOINTS")
+                         "SPACE_GATEWAY_UPSTREAM_CA", "SPACE_GATEWAY_UPSTREAM_DNS", "SPACE_GATEWAY_PYTHON",
+                         "SPACE_FAILPOINTS")
 
 #: Per role, the names taken from the parent's environment (when set there).
 ALLOW: Final[Mapping[Role, tuple[str, ...]]] = {

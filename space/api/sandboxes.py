@@ -71,7 +71,7 @@ class CreateSandboxBody(BaseModel):
     snapshot: str | None = Field(None, min_length=1, max_length=64)
     #: MiB the sandbox may write beyond its template (writes past it fail with EDQUOT inside it
     #: alone); default: the operator's, at most the tenant's ``disk_mb`` quota.
-    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
+    disk_mb: Annotated[Int64, Field(ge=16, le=1 << 30)] | None = None
 
 
 @router.post("/sandboxes", status_code=202,

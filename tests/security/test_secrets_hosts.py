@@ -33,7 +33,7 @@ TOO_BROAD = ["*", "*.com", "*.COM.", "*.io", "*.co.uk", "*.github.io", "*.s3.ama
              "*.zz"]
 #: Narrow ones: a name, or the subdomains of a registrable domain.
 NARROW = ["api.github.com", "*.github.com", "*.example.co.uk", "*.api.example.com", "github.io", "com",
-          "10.0.0.7", "*.my-user.github.io"]
+          "*.my-user.github.io"]
 
 
 @pytest.fixture
@@ -55,6 +55,15 @@ async def test_a_secret_for_every_host_is_refused(creds: CredentialManager, who:
 async def test_narrow_patterns_are_accepted(creds: CredentialManager, pattern: str) -> None:
     view, _ = await creds.set(MEMBER, "S", VALUE, hosts=[pattern])
     assert view["hosts"] == [pattern]
+
+
+async def test_a_secret_is_bound_to_names_not_addresses(creds: CredentialManager) -> None:
+    """Host patterns are names (space.egress_policy): an address is a CIDR's business, and a secret
+    goes out only over TLS verified for a name."""
+    with pytest.raises(InvalidRequest) as e:
+        await creds.set(MEMBER, "S", VALUE, hosts=["10.0.0.7"])
+    assert e.value.status == 400 and "10.0.0.7" in e.value.message
+    assert await creds.list(MEMBER) == []
 
 
 async def _sandbox(store: Store, **kw: Any) -> Sandbox:
