@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from space import privdrop
+from space import objauth, privdrop
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
@@ -41,6 +41,19 @@ NODE_ID = "node-1"
 TEMPLATE_SPECS = {"base": BASE_SPEC}
 
 
+def manifest_key_file(data: Path) -> Path | None:
+    """``<data>/manifest.key`` (root's, 0600, made on first start) unless ``$SPACE_MANIFEST_KEY``
+    gives the deployment's key; it stays out of the API's reach (privdrop hands it no key file of
+    the node's)."""
+    if os.environ.get(objauth.ENV_VAR, "").strip():
+        return None
+    path = data / objauth.KEY_FILE
+    if objauth.create_key_file(path):
+        log.info("manifest_key.created", path=str(path))
+    objauth.ManifestKeys.require(key_file=path)  # a damaged file is a clear error now, not in the agent
+    return path
+
+
 def _secret_file(path: Path, nbytes: int = 32) -> str:
     """Read a secret file, creating it (mode 0600) on first start."""
     if path.exists():
@@ -58,11 +71,13 @@ class NodeProcess:
     neither start a root process nor signal one."""
 
     def __init__(self, settings: ServeSettings, socket: Path, token_file: Path,
-                 socket_group: int | None = None) -> None:
+                 socket_group: int | None = None, manifest_key_file: Path | None = None) -> None:
         self.settings = settings
         self.socket = socket
         self.token_file = token_file
         self.socket_group = socket_group
+        #: The deployment's manifest key, root's (None: ``$SPACE_MANIFEST_KEY`` reaches the agent).
+        self.manifest_key_file = manifest_key_file
         #: The supervisor.
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -81,6 +96,8 @@ class NodeProcess:
         ]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
+        if self.manifest_key_file is not None:
+            argv += ["--manifest-key-file", str(self.manifest_key_file)]
         # The argv goes on stdin, not the command line: only the node agent itself is "node run".
         self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE)
         assert self.proc.stdin is not None
@@ -200,9 +217,15 @@ async def serve(settings: ServeSettings) -> None:
     socket = channel_dir_for(data) / "node.sock"
     if user is not None:
         privdrop.own_serve_state(settings, user)
+    manifest_key = manifest_key_file(data)
 
-    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None)
+    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None,
+                       manifest_key_file=manifest_key)
     node.start()
+    if user is not None:
+        # Only the node agent holds it: the API's user can write the local object store, and a
+        # writer of the bucket must never be able to seal what nodes trust.
+        os.environ.pop(objauth.ENV_VAR, None)
     client = NodeClient(NODE_ID, f"unix://{socket}", token)
     store: Store | None = None
     nodes: NodeRegistry | None = None
@@ -262,6 +285,6 @@ def run(settings: ServeSettings) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve(settings))
-    except privdrop.PrivilegeError as e:
+    except (privdrop.PrivilegeError, objauth.ManifestKeyError) as e:
         log.error("serve.refused", error=e.message, **e.details)
         raise SystemExit(2) from None

@@ -94,23 +94,35 @@ def node_run(
     egress_ca_dir: Annotated[Path | None, typer.Option(
         "--egress-ca-dir", envvar="SPACE_EGRESS_CA_DIR",
         help="The deployment's egress CA (the same on every node); default <data-dir>/egress-ca.")] = None,
+    manifest_key_file: Annotated[Path | None, typer.Option(
+        "--manifest-key-file", envvar="SPACE_MANIFEST_KEY_FILE",
+        help="The deployment's manifest key (the same on every node; $SPACE_MANIFEST_KEY wins): object "
+             "storage manifests are sealed and checked with it. Required with --object-store-url.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a node agent."""
-    from space import logs
+    from space import logs, objauth
     from space.node.main import NodeSettings, run
 
     if (socket is None) == (listen is None):
         raise typer.BadParameter("give exactly one of --socket or --listen")
     if register is not None and (listen is None or api_key_file is None):
         raise typer.BadParameter("--register needs --listen and --api-key-file")
+    keys = None
+    if object_store_url:
+        try:
+            keys = objauth.ManifestKeys.require(key_file=manifest_key_file)
+        except objauth.ManifestKeyError as e:
+            raise typer.BadParameter(e.message) from None
+    # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
+    os.environ.pop(objauth.ENV_VAR, None)
     logs.configure(log_level)
     run(NodeSettings(
         data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
         die_with_parent=die_with_parent, object_store_url=object_store_url,
         register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
-        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
+        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user, manifest_keys=keys,
     ))
 
 

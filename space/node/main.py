@@ -31,6 +31,7 @@ from space.node.pool import Pool
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import WarmPool
+from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
 from space.runtime.gvisor import GVisorDriver
@@ -65,6 +66,8 @@ class NodeSettings:
     die_with_parent: bool = False
     #: Object store for suspended sandboxes and shipped templates: a directory or an ``s3://`` URL.
     object_store_url: str | None = None
+    #: The deployment's manifest keys (:mod:`space.objauth`): required with an object store.
+    manifest_keys: ManifestKeys | None = None
     #: Control plane to register with on start (multi-node), with an admin API key.
     register_url: str | None = None
     register_key: str | None = None
@@ -209,7 +212,8 @@ async def build_node(settings: NodeSettings) -> Node:
         priv = InProcess(ctx)
     pool.priv = priv
     objects = ObjectStore.from_url(settings.object_store_url) if settings.object_store_url else None
-    templates = TemplateStore(pool, settings.cache_dir, objects=objects)
+    templates = TemplateStore(pool, settings.cache_dir, objects=objects,
+                              keys=settings.manifest_keys if objects is not None else None)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(

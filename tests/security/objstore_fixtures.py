@@ -28,6 +28,7 @@ from obstore.store import S3Store
 
 from space.node.templates import BASE_SPEC, spec_digest
 from tests.e2e.harness import NodeAgent, Server, loop_devices, node_scratch, own_server, wait_operation
+from tests.waiting import wait_for
 
 #: The machine's template cache: only its ``base`` stream is copied, into each deployment's own.
 HOST_CACHE = Path("/var/cache/space")
@@ -176,7 +177,9 @@ def further_node(dep: Deployment, api: httpx.Client, node_id: str, tmp: Path) ->
                         wait_operation(api, r.json()["operation"]["id"])
         finally:
             node.teardown()
-        assert loop_devices(node.data_dir / "pool.img") == "", f"{node_id}'s loop device leaked"
+        # A loop device still open for a moment (udev probing it after the unmount) is detached by
+        # the kernel when it is closed: wait for that, with a deadline.
+        wait_for(lambda: loop_devices(node.data_dir / "pool.img") == "", 30, f"{node_id}'s loop device to go")
         shutil.rmtree(scratch)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.node.templates import BASE_SPEC
 from tests.e2e.harness import NodeAgent, Server, create_sandbox, sh, wait_operation
 from tests.e2e.test_lifecycle import act, count, start_counter, state
 from tests.security.objstore_fixtures import (
@@ -260,7 +261,7 @@ def test_a_rewritten_template_stream_is_refused_by_a_node_that_fetches_it(
         assert_refused(api, dep.server, p, key=streams[0] if how == "stream" else p.manifest, node=node)
         # A node that materializes base without a snapshot naming it refuses the stream too.
         with node.client(timeout=600) as c:
-            lines = [json.loads(ln) for ln in c.post("/v1/templates/ensure", json={"spec": _base_spec(api)}
+            lines = [json.loads(ln) for ln in c.post("/v1/templates/ensure", json={"spec": BASE_SPEC}
                                                       ).text.splitlines() if ln.strip()]
         assert lines[-1].get("error", {}).get("code") == TAMPERED, lines[-3:]
         pool = node.data_dir / "pool" / "templates"
@@ -270,8 +271,3 @@ def test_a_rewritten_template_stream_is_refused_by_a_node_that_fetches_it(
         saved.put_back()
         assert_restores(api, p, node)
         assert sh(api, p.id, "test ! -e /etc/space-backdoor && echo clean").strip() == "clean"
-
-
-def _base_spec(api: httpx.Client) -> dict[str, Any]:
-    spec: dict[str, Any] = api.get("/v1/templates/base").json()["spec"]
-    return spec
