@@ -139,6 +139,45 @@ def node_teardown(data_dir: DataDir, cache_dir: CacheDir = Path("/var/cache/spac
     typer.echo(f"removed {n} sandbox(es); pool released")
 
 
+objects_app = typer.Typer(help="Object storage maintenance (run by the operator, as root).", no_args_is_help=True)
+
+
+@objects_app.command("migrate")
+def objects_migrate(
+    data_dir: DataDir = Path("/var/lib/space"),
+    database_url: Annotated[str | None, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
+                                                     help="SQLAlchemy URL (default: SQLite in the data dir).")]
+    = None,
+    object_store_url: Annotated[str | None, typer.Option("--object-store-url", envvar="SPACE_OBJECT_STORE_URL")]
+    = None,
+    manifest_key_file: Annotated[Path | None, typer.Option(
+        "--manifest-key-file", envvar="SPACE_MANIFEST_KEY_FILE",
+        help="The deployment's manifest key ($SPACE_MANIFEST_KEY wins); default <data-dir>/manifest.key.")] = None,
+    cache_dir: CacheDir = Path("/var/cache/space"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and report; write nothing.")] = False,
+) -> None:
+    """Seal, after checking them against the database, the manifests and template streams object
+    storage holds from before manifests were sealed; re-seal what an older manifest key sealed.
+    Exits 1 if anything was refused (it stays refused by every node)."""
+    from space import logs, objauth, objmigrate
+    from space.config import ServeSettings
+
+    logs.configure("warning")
+    settings = ServeSettings(data_dir=data_dir, database_url=database_url, object_store_url=object_store_url)
+    key_file = manifest_key_file or data_dir / objauth.KEY_FILE
+    if manifest_key_file is None and not os.environ.get(objauth.ENV_VAR) and data_dir.is_dir():
+        objauth.create_key_file(key_file)  # what space serve makes on its first start after the upgrade
+    try:
+        keys = objauth.ManifestKeys.require(key_file=key_file)
+    except objauth.ManifestKeyError as e:
+        raise typer.BadParameter(e.message) from None
+    report = asyncio.run(objmigrate.run(database_url=settings.resolved_database_url(),
+                                        object_store_url=settings.resolved_object_store_url(), keys=keys,
+                                        cache_dir=cache_dir, dry_run=dry_run, say=typer.echo))
+    raise typer.Exit(0 if report.ok else 1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.add_typer(node_app, name="node")
+    app.add_typer(objects_app, name="objects")

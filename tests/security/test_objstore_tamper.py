@@ -13,12 +13,15 @@ Attacks: a flipped byte in a memory image; the root filesystem delta of another 
 in; another sandbox's manifest and artifacts replayed verbatim, or with its ids rewritten; a
 truncated memory image and an extended delta; the ``base`` template's stream rewritten with a
 backdoor (alone, or with every manifest that names it), fetched by a node that lacks the template.
+And objects from before sealing: refused until ``space objects migrate`` seals those that agree
+with the database (one tampered with before the upgrade stays refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
-from space.node.templates import BASE_SPEC
-from tests.e2e.harness import NodeAgent, Server, create_sandbox, sh, wait_operation
+from space.node.templates import BASE_SPEC, spec_digest
+from tests.e2e.harness import SPACE, NodeAgent, Server, create_sandbox, sh, wait_operation
 from tests.e2e.test_lifecycle import act, count, start_counter, state
 from tests.security.objstore_fixtures import (
     Deployment,
@@ -271,3 +274,62 @@ def test_a_rewritten_template_stream_is_refused_by_a_node_that_fetches_it(
         saved.put_back()
         assert_restores(api, p, node)
         assert sh(api, p.id, "test ! -e /etc/space-backdoor && echo clean").strip() == "clean"
+
+
+def _unseal(bucket: Any, key: str) -> None:
+    """What the code before sealing wrote: the same body as plain JSON, format 1."""
+    body = json.loads(bucket.read(key))["body"]
+    meta = {k: v for k, v in body["meta"].items() if k != "template"}
+    bucket.write(key, json.dumps({"format": 1, "created_at": body["created_at"], "meta": meta,
+                                  "artifacts": body["artifacts"]}, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def _legacy_templates(bucket: Any) -> None:
+    """base's stream where it was before content addressing, and no template manifest."""
+    for key in bucket.keys("templates/"):
+        if key.endswith(".json"):
+            bucket.delete(key)
+        elif key.endswith(".btrfs.zst"):
+            digest = spec_digest(BASE_SPEC)
+            bucket.write(f"templates/base-{digest}.btrfs.zst", bucket.read(key))
+            bucket.delete(key)
+
+
+def _migrate(dep: Deployment) -> subprocess.CompletedProcess[str]:
+    srv = dep.server
+    argv = [SPACE, "objects", "migrate", "--data-dir", str(srv.data_dir),
+            "--cache-dir", str(srv.data_dir.parent / "cache")]
+    if dep.kind == "s3":
+        argv += ["--object-store-url", dep.url]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **dep.env})
+
+
+def test_objects_from_before_sealing_are_refused_until_the_operator_migrates_them(
+        dep: Deployment, api: httpx.Client, parked: list[Parked]) -> None:
+    """An upgraded deployment: suspended sandboxes whose manifests and template stream were written
+    unsealed. Nodes refuse them (``unauthenticated``); ``space objects migrate`` checks them
+    against the database and seals what agrees with it, and refuses one tampered with before."""
+    p, q = park(api, parked), park(api, parked, memory=False)
+    _legacy_templates(dep.bucket)
+    for x in (p, q):
+        _unseal(dep.bucket, x.manifest)
+    # q was tampered with before the upgrade: its delta extended, its checksum fixed to match.
+    delta = f"{q.prefix}/rootfs.btrfs.zst"
+    extended = dep.bucket.read(delta) + os.urandom(4096)
+    dep.bucket.write(delta, extended)
+    fix_artifact(dep.bucket, q.manifest, "rootfs.btrfs.zst", extended)
+    for x in (p, q):
+        assert assert_refused(api, dep.server, x, key=x.manifest)["data"]["reason"] == "unauthenticated"
+
+    done = _migrate(dep)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert f"sealed: {p.manifest}" in done.stdout and f"REFUSED: {q.manifest}" in done.stdout, done.stdout
+    assert f"sealed: templates/base-{spec_digest(BASE_SPEC)}.json" in done.stdout, done.stdout
+    assert_restores(api, p)
+    n = count(api, p.id)
+    wait_for(lambda: count(api, p.id) > n, 60, "the migrated sandbox's counter to continue")
+    assert_refused(api, dep.server, q, key=q.manifest)
+    # Idempotent: a second run finds the sealed objects sealed (and refuses q again).
+    again = _migrate(dep)
+    assert again.returncode == 1 and f"REFUSED: {q.manifest}" in again.stdout, again.stdout
+    assert f"already sealed: templates/base-{spec_digest(BASE_SPEC)}.json" in again.stdout, again.stdout
