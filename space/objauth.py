@@ -19,8 +19,8 @@ The MAC covers ``kind`` and the canonical body (sorted keys, no whitespace, ASCI
 value a verifier recomputes is the value it then uses, so a re-encoded or re-ordered document
 cannot smuggle anything past it, and a template manifest cannot pass for a snapshot's.
 
-Keys come from ``$SPACE_MANIFEST_KEY``, or a key file (``--manifest-key-file``; ``space serve``
-makes ``<data dir>/manifest.key``, 0600 root, on first start): base64 of 32 random bytes, several
+Keys come from ``$SPACE_MANIFEST_KEY``, or a key file (``--manifest-key-file``; ``space serve``'s
+node agent makes ``<data dir>/manifest.key``, 0600 root, on first start): base64 of 32 random bytes, several
 separated by commas or whitespace, newest first. The first seals; a manifest opens under whichever
 key its ``key_id`` names, so a key is rotated by putting a new one in front and re-sealing
 (``space objects migrate`` does it) before the old one is dropped. Every node of a deployment

@@ -42,16 +42,14 @@ TEMPLATE_SPECS = {"base": BASE_SPEC}
 
 
 def manifest_key_file(data: Path) -> Path | None:
-    """``<data>/manifest.key`` (root's, 0600, made on first start) unless ``$SPACE_MANIFEST_KEY``
-    gives the deployment's key; it stays out of the API's reach (privdrop hands it no key file of
-    the node's)."""
+    """``<data>/manifest.key``, which the node agent makes (0600 root) on its first start, unless
+    ``$SPACE_MANIFEST_KEY`` gives the deployment's key. This process never reads it: once it drops
+    to the API's user it can write the local object store, and must not be able to seal."""
     if os.environ.get(objauth.ENV_VAR, "").strip():
+        log.warning("manifest_key.from_environment", variable=objauth.ENV_VAR,
+                    hint=f"this process's initial environment keeps it; prefer <data dir>/{objauth.KEY_FILE}")
         return None
-    path = data / objauth.KEY_FILE
-    if objauth.create_key_file(path):
-        log.info("manifest_key.created", path=str(path))
-    objauth.ManifestKeys.require(key_file=path)  # a damaged file is a clear error now, not in the agent
-    return path
+    return data / objauth.KEY_FILE
 
 
 def _secret_file(path: Path, nbytes: int = 32) -> str:
@@ -97,7 +95,7 @@ class NodeProcess:
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
         if self.manifest_key_file is not None:
-            argv += ["--manifest-key-file", str(self.manifest_key_file)]
+            argv += ["--manifest-key-file", str(self.manifest_key_file), "--create-manifest-key"]
         # The argv goes on stdin, not the command line: only the node agent itself is "node run".
         self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE)
         assert self.proc.stdin is not None

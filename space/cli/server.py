@@ -98,6 +98,7 @@ def node_run(
         "--manifest-key-file", envvar="SPACE_MANIFEST_KEY_FILE",
         help="The deployment's manifest key (the same on every node; $SPACE_MANIFEST_KEY wins): object "
              "storage manifests are sealed and checked with it. Required with --object-store-url.")] = None,
+    create_manifest_key: Annotated[bool, typer.Option("--create-manifest-key", hidden=True)] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a node agent."""
@@ -109,6 +110,8 @@ def node_run(
     if register is not None and (listen is None or api_key_file is None):
         raise typer.BadParameter("--register needs --listen and --api-key-file")
     keys = None
+    if create_manifest_key and manifest_key_file is not None and not os.environ.get(objauth.ENV_VAR):
+        objauth.create_key_file(manifest_key_file)  # space serve's first start: made here, as root
     if object_store_url:
         try:
             keys = objauth.ManifestKeys.require(key_file=manifest_key_file)

@@ -339,7 +339,7 @@ class TemplateStore:
                     await emit(f"template {label}: object storage holds only an unauthenticated stream from "
                                "before streams were sealed; ignored (`space objects migrate` re-authenticates it)")
                 return None
-            if published.spec != spec:
+            if spec_digest(published.spec) != digest:
                 key = template_objects.manifest_key(name, digest)
                 raise objauth.tampered(f"template {label}: its sealed manifest {key} holds another spec",
                                        key=key, reason=objauth.BOUND_ELSEWHERE)
@@ -367,9 +367,12 @@ class TemplateStore:
             raise NotFound(f"template {name}@{digest[:16]} is not on this node", template=name)
         try:
             published = await template_objects.read(objects, self.keys, name, digest)
-        except ObjectTampered:
-            published = None  # this node has the real template: what it publishes replaces it
-        if published is not None and published.spec == info.spec \
+        except ObjectTampered as exc:
+            # This node has the real template: what it publishes replaces what was planted.
+            log.warning("objstore.tampered_replaced", template=f"{name}@{digest[:16]}", key=exc.details.get("key"),
+                        reason=exc.details.get("reason"))
+            published = None
+        if published is not None and spec_digest(published.spec) == digest \
                 and await objects.size(published.stream_key) == published.stream.size:
             return published
         stream = self.stream_path(name, digest)

@@ -333,3 +333,14 @@ def test_objects_from_before_sealing_are_refused_until_the_operator_migrates_the
     again = _migrate(dep)
     assert again.returncode == 1 and f"REFUSED: {q.manifest}" in again.stdout, again.stdout
     assert f"already sealed: templates/base-{spec_digest(BASE_SPEC)}.json" in again.stdout, again.stdout
+
+
+def test_the_manifest_key_is_out_of_reach_of_the_api_and_the_bucket(dep: Deployment) -> None:
+    """Sealing is only as strong as the key's home: root's node agent made it, 0600 root, in the
+    data dir (which the API's user may pass through but not list or write); nothing in the bucket."""
+    key = dep.server.data_dir / "manifest.key"
+    st = key.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600), (st.st_uid, oct(st.st_mode))
+    text = key.read_text().strip()
+    for k in dep.bucket.keys(""):
+        assert text.encode() not in dep.bucket.read(k), k
