@@ -23,7 +23,8 @@ from bench.lifecycle import Bench, ms_since, summary, table_row
 from tests.e2e.harness import NodeAgent, Server, node_scratch
 
 PARTS = ("template_fetch",)
-_SECONDS = re.compile(r"seconds=([0-9.]+)")
+#: A structlog line, JSON (``"seconds": 1.2``) or console (``seconds=1.2``).
+_SECONDS = re.compile(r'seconds"?[=:] ?([0-9.]+)')
 
 
 @dataclasses.dataclass(frozen=True)

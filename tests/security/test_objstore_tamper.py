@@ -344,3 +344,67 @@ def test_the_manifest_key_is_out_of_reach_of_the_api_and_the_bucket(dep: Deploym
     text = key.read_text().strip()
     for k in dep.bucket.keys(""):
         assert text.encode() not in dep.bucket.read(k), k
+
+
+def test_a_tampered_retained_snapshot_is_refused_for_a_rollback_and_a_new_sandbox(
+        dep: Deployment, api: httpx.Client) -> None:
+    """A snapshot that only object storage holds, its manifest given an environment to boot with
+    (``LD_PRELOAD``): a rollback to it is refused and leaves the sandbox running as it was; a
+    sandbox created from it fails, refused; after the repair the rollback works."""
+    made = [create_sandbox(api)]
+    sid = made[0]
+    snap: str | None = None
+    try:
+        sh(api, sid, f"echo at-snapshot > {MARK}")
+        r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "disk", "retain": True})
+        assert r.status_code == 202, r.text
+        op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+        assert op["status"] == "succeeded", op
+        snap = str(op["result"]["snapshot"])
+        # A suspend and a restore leave the retained snapshot in object storage only.
+        act(api, sid, "suspend")
+        act(api, sid, "restore")
+        assert api.get(f"/v1/snapshots/{snap}").json()["location"] == ["object_store"]
+        sh(api, sid, f"echo after > {MARK}")
+        manifest = f"tenants/default/snapshots/{snap}/manifest.json"
+        saved = Saved.take(dep.bucket, f"tenants/default/snapshots/{snap}")
+
+        def env(doc: Any) -> None:
+            found = list(entries(doc, lambda d: d.get("id") == snap and "env" in d))
+            assert found, doc
+            for e in found:
+                e["env"]["LD_PRELOAD"] = "/tmp/evil.so"
+        rewrite_json(dep.bucket, manifest, env)
+
+        since = log_offset(dep.server.log_path)
+        r = api.post(f"/v1/sandboxes/{sid}/rollback", json={"snapshot": snap})
+        assert r.status_code == 202, r.text
+        op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+        assert op["status"] == "failed" and op["error"]["code"] == TAMPERED, op
+        assert state(api, sid) == "running"
+        assert sh(api, sid, f"cat {MARK}").strip() == "after"  # untouched
+        kinds = [e["kind"] for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"]]
+        assert TAMPERED in kinds and "rollback_failed" in kinds, kinds
+
+        r = api.post("/v1/sandboxes", json={"snapshot": snap})
+        assert r.status_code == 202, r.text
+        child = str(r.json()["sandbox"]["id"])
+        made.append(child)
+        op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+        assert op["status"] == "failed" and op["error"]["code"] == TAMPERED, op
+        sb = api.get(f"/v1/sandboxes/{child}").json()
+        assert sb["state"] == "failed" and sb["error"]["code"] == TAMPERED, sb
+        assert [e for e in api.get(f"/v1/sandboxes/{child}/events").json()["events"] if e["kind"] == TAMPERED]
+        assert helper_calls(dep.server.log_path, since, "stream.receive", f"snapshots/{snap}") == []
+        assert helper_calls(dep.server.log_path, since, "runtime.launch", child) == []
+
+        saved.put_back()
+        act(api, sid, "rollback", {"snapshot": snap})
+        assert sh(api, sid, f"cat {MARK}").strip() == "at-snapshot"
+    finally:
+        for x in made:
+            r = api.delete(f"/v1/sandboxes/{x}")
+            if r.status_code == 202:
+                wait_operation(api, r.json()["operation"]["id"])
+        if snap is not None:
+            api.delete(f"/v1/snapshots/{snap}")
