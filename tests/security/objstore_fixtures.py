@@ -152,28 +152,10 @@ def deployment(kind: str, tmp: Path) -> Iterator[Deployment]:
                 bucket = DirBucket(srv.data_dir / "objects")
             srv.start()
             assert bucket is not None
-            try:
-                yield Deployment(kind, srv, bucket, url, env)
-            finally:
-                # A deleted sandbox's runtime goes in the background; while a runsc process of it
-                # lives (in a mount namespace of its own) it holds the pool, and the loop device
-                # would outlive the teardown's detach: let them go first, with a deadline.
-                wait_for(lambda: not runtime_processes(srv.data_dir), 120, "the deployment's runsc processes to exit")
+            yield Deployment(kind, srv, bucket, url, env)
     finally:
         if moto is not None:
             moto.stop()
-
-
-def runtime_processes(data_dir: Path) -> list[int]:
-    """The runsc processes (sandbox, gofer) of the node whose data dir is ``data_dir``."""
-    needle = f"--root={data_dir / 'runsc'}".encode()
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (p / "cmdline").read_bytes():
-                    found.append(int(p.name))
-    return found
 
 
 @contextlib.contextmanager
@@ -193,12 +175,12 @@ def further_node(dep: Deployment, api: httpx.Client, node_id: str, tmp: Path) ->
                     r = api.delete(f"/v1/sandboxes/{sb['id']}")
                     if r.status_code == 202:
                         wait_operation(api, r.json()["operation"]["id"])
-            wait_for(lambda: not runtime_processes(node.data_dir), 120, f"{node_id}'s runsc processes to exit")
         finally:
             node.teardown()
-        # A loop device still open for a moment (udev probing it after the unmount) is detached by
-        # the kernel when it is closed: wait for that, with a deadline.
-        wait_for(lambda: loop_devices(node.data_dir / "pool.img") == "", 30, f"{node_id}'s loop device to go")
+        # A detached loop device still open is freed by the kernel when it is closed (a process of
+        # another test that made a mount namespace while the pool was mounted holds a copy of the
+        # mount until it exits): wait for that, with a deadline.
+        wait_for(lambda: loop_devices(node.data_dir / "pool.img") == "", 120, f"{node_id}'s loop device to go")
         shutil.rmtree(scratch)
 
 
