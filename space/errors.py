@@ -16,6 +16,8 @@ that body back into the same class with :func:`from_wire`.
     ├── PayloadTooLarge       413 too_large
     ├── ValidationFailed      422 validation_failed
     ├── QuotaExceeded         429 quota_exceeded
+    ├── SnapshotCorrupt       409 snapshot_corrupt
+    │   └── ObjectTampered    409 object_tampered (object storage holds what this deployment did not write)
     ├── RuntimeFailure        500 runtime_error
     ├── Internal              500 internal
     ├── BadGateway            502 bad_gateway     (a server inside a sandbox failed a proxied request)
@@ -117,6 +119,16 @@ class SnapshotCorrupt(SpaceError):
 
     code = "snapshot_corrupt"
     status = 409
+
+
+class ObjectTampered(SnapshotCorrupt):
+    """Object storage holds something this deployment did not write: a manifest that is not sealed
+    with its manifest key, fails its MAC or is bound to another tenant, sandbox, snapshot or
+    template, or a template stream whose bytes do not hash to what its sealed manifest names.
+    Nothing of it was used. ``key`` names the object, ``reason`` says which check refused it
+    (:mod:`space.objauth`); once the bucket is repaired, the same request succeeds."""
+
+    code = "object_tampered"
 
 
 class PoolEmpty(Conflict):

@@ -368,6 +368,21 @@ class ObjectStore:
             raise
         return size
 
+    async def digest(self, key: str) -> PutResult:
+        """The size and sha256 of the object at ``key``, streamed through and hashed (nothing kept)."""
+        check_key(key)
+        digest = hashlib.sha256()
+        size = 0
+        result = await self._call(key, obstore.get_async(self._store, key))
+        stream = result.stream(min_chunk_size=IO_CHUNK)
+        while (chunk := await self._call(key, _next_chunk(stream))) is not None:
+            size += len(chunk)
+            if len(chunk) >= _HASH_IN_THREAD:
+                await asyncio.to_thread(digest.update, chunk)
+            else:
+                digest.update(chunk)
+        return PutResult(size=size, sha256=digest.hexdigest())
+
     # ---- metadata, listing, deletion ------------------------------------------------------------
 
     async def exists(self, key: str) -> bool:

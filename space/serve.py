@@ -27,7 +27,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from space import childenv, privdrop, serve_state
+from space import childenv, objauth, privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
@@ -50,6 +50,16 @@ NODE_ID = "node-1"
 TEMPLATE_SPECS = {"base": BASE_SPEC}
 
 
+def manifest_key_file(data: Path, env: Mapping[str, str]) -> Path | None:
+    """``<data>/manifest.key``, which the node agent makes (0600 root) on its first start, unless
+    ``$SPACE_MANIFEST_KEY`` in the server's environment gives the deployment's key (it then reaches
+    the agent on its secrets pipe). This process never reads either: once it drops to the API's
+    user it can write the local object store, and must not be able to seal."""
+    if env.get(objauth.ENV_VAR, "").strip():
+        return None
+    return data / objauth.KEY_FILE
+
+
 def _secret_file(path: Path, nbytes: int = 32) -> str:
     """Read a secret file, creating it (mode 0600) on first start."""
     if path.exists():
@@ -67,7 +77,8 @@ class NodeProcess:
     neither start a root process nor signal one."""
 
     def __init__(self, settings: ServeSettings, socket: Path, token_file: Path,
-                 socket_group: int | None = None, *, env: Mapping[str, str] | None = None) -> None:
+                 socket_group: int | None = None, *, env: Mapping[str, str] | None = None,
+                 manifest_key_file: Path | None = None) -> None:
         self.settings = settings
         self.socket = socket
         self.token_file = token_file
@@ -75,6 +86,8 @@ class NodeProcess:
         #: The operator's environment as the server started (what the node agent's allowlist and
         #: its object store credentials are taken from).
         self.env: Mapping[str, str] = dict(os.environ) if env is None else env
+        #: The deployment's manifest key, root's (None: ``$SPACE_MANIFEST_KEY`` reaches the agent).
+        self.manifest_key_file = manifest_key_file
         #: The supervisor.
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -97,8 +110,14 @@ class NodeProcess:
             argv += ["--egress-private", net]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
+        if self.manifest_key_file is not None:
+            argv += ["--manifest-key-file", str(self.manifest_key_file), "--create-manifest-key"]
         url = s.resolved_object_store_url()
-        secrets = {"object_store": s3_env(self.env)} if url.startswith("s3://") else {}
+        secrets: dict[str, dict[str, str]] = {"object_store": s3_env(self.env)} if url.startswith("s3://") else {}
+        if self.env.get(objauth.ENV_VAR, "").strip():
+            # The deployment's key, given to this server: it reaches the agent as its S3
+            # credentials do, on the secrets pipe, never in an environment.
+            secrets["manifest"] = {objauth.ENV_VAR: self.env[objauth.ENV_VAR]}
         doc = {"argv": argv, "env": childenv.build("node", source=self.env), "secrets": secrets}
         # The argv goes on stdin, not the command line: only the node agent itself is "node run".
         self.proc = subprocess.Popen([sys.executable, "-m", "space.nodesup"], stdin=subprocess.PIPE,
@@ -235,9 +254,15 @@ async def serve(settings: ServeSettings) -> None:
     socket = channel_dir_for(data) / "node.sock"
     if user is not None:
         serve_state.own_serve_state(settings, user, env=env)
+    manifest_key = manifest_key_file(data, env)
 
-    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None, env=env)
+    node = NodeProcess(settings, socket, token_file, socket_group=user.gid if user else None, env=env,
+                       manifest_key_file=manifest_key)
     node.start()
+    if user is not None:
+        # Only the node agent holds it: the API's user can write the local object store, and a
+        # writer of the bucket must never be able to seal what nodes trust.
+        os.environ.pop(objauth.ENV_VAR, None)
     client = NodeClient(NODE_ID, f"unix://{socket}", token)
     store: Store | None = None
     nodes: NodeRegistry | None = None
@@ -319,6 +344,6 @@ def run(settings: ServeSettings) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve(settings))
-    except privdrop.PrivilegeError as e:
+    except (privdrop.PrivilegeError, objauth.ManifestKeyError) as e:
         log.error("serve.refused", error=e.message, **e.details)
         raise SystemExit(2) from None

@@ -157,21 +157,38 @@ def node_run(
         "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR",
         help="A private range sandbox egress policies may open on this node (repeatable; give every "
              "node the deployment's ceiling). None by default.")] = None,
+    manifest_key_file: Annotated[Path | None, typer.Option(
+        "--manifest-key-file", envvar="SPACE_MANIFEST_KEY_FILE",
+        help="The deployment's manifest key (the same on every node; $SPACE_MANIFEST_KEY wins): object "
+             "storage manifests are sealed and checked with it. Required with --object-store-url.")] = None,
+    create_manifest_key: Annotated[bool, typer.Option("--create-manifest-key", hidden=True)] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     secrets_fd: Annotated[int | None, typer.Option(
         "--secrets-fd", hidden=True,
         help="An inherited pipe holding the node's secrets as JSON (space serve's supervisor writes it).")] = None,
 ) -> None:
     """Run a node agent."""
-    from space import logs
+    from space import logs, objauth
     from space.node.main import NodeSettings, run
 
     if (socket is None) == (listen is None):
         raise typer.BadParameter("give exactly one of --socket or --listen")
     if register is not None and (listen is None or api_key_file is None):
         raise typer.BadParameter("--register needs --listen and --api-key-file")
-    logs.configure(log_level)
     secrets = read_secrets(secrets_fd) if secrets_fd is not None else None
+    # The deployment's manifest key: from space serve's secrets pipe, else this process's env.
+    key_env = {**os.environ, **(secrets or {}).get("manifest", {})}
+    keys = None
+    if create_manifest_key and manifest_key_file is not None and not key_env.get(objauth.ENV_VAR):
+        objauth.create_key_file(manifest_key_file)  # space serve's first start: made here, as root
+    if object_store_url:
+        try:
+            keys = objauth.ManifestKeys.require(env=key_env, key_file=manifest_key_file)
+        except objauth.ManifestKeyError as e:
+            raise typer.BadParameter(e.message) from None
+    # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
+    os.environ.pop(objauth.ENV_VAR, None)
+    logs.configure(log_level)
     run(NodeSettings(
         data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
         node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
@@ -181,6 +198,7 @@ def node_run(
         network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
         egress_ceiling=_ceiling(egress_private),
         object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
+        manifest_keys=keys,
     ))
 
 
@@ -224,6 +242,45 @@ def node_teardown(data_dir: DataDir, cache_dir: CacheDir = Path("/var/cache/spac
     typer.echo(f"removed {n} sandbox(es); pool released")
 
 
+objects_app = typer.Typer(help="Object storage maintenance (run by the operator, as root).", no_args_is_help=True)
+
+
+@objects_app.command("migrate")
+def objects_migrate(
+    data_dir: DataDir = Path("/var/lib/space"),
+    database_url: Annotated[str | None, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
+                                                     help="SQLAlchemy URL (default: SQLite in the data dir).")]
+    = None,
+    object_store_url: Annotated[str | None, typer.Option("--object-store-url", envvar="SPACE_OBJECT_STORE_URL")]
+    = None,
+    manifest_key_file: Annotated[Path | None, typer.Option(
+        "--manifest-key-file", envvar="SPACE_MANIFEST_KEY_FILE",
+        help="The deployment's manifest key ($SPACE_MANIFEST_KEY wins); default <data-dir>/manifest.key.")] = None,
+    cache_dir: CacheDir = Path("/var/cache/space"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and report; write nothing.")] = False,
+) -> None:
+    """Seal, after checking them against the database, the manifests and template streams object
+    storage holds from before manifests were sealed; re-seal what an older manifest key sealed.
+    Exits 1 if anything was refused (it stays refused by every node)."""
+    from space import logs, objauth, objmigrate
+    from space.config import ServeSettings
+
+    logs.configure("warning")
+    settings = ServeSettings(data_dir=data_dir, database_url=database_url, object_store_url=object_store_url)
+    key_file = manifest_key_file or data_dir / objauth.KEY_FILE
+    if manifest_key_file is None and not os.environ.get(objauth.ENV_VAR) and data_dir.is_dir():
+        objauth.create_key_file(key_file)  # what space serve makes on its first start after the upgrade
+    try:
+        keys = objauth.ManifestKeys.require(key_file=key_file)
+    except objauth.ManifestKeyError as e:
+        raise typer.BadParameter(e.message) from None
+    report = asyncio.run(objmigrate.run(database_url=settings.resolved_database_url(),
+                                        object_store_url=settings.resolved_object_store_url(), keys=keys,
+                                        cache_dir=cache_dir, dry_run=dry_run, say=typer.echo))
+    raise typer.Exit(0 if report.ok else 1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.add_typer(node_app, name="node")
+    app.add_typer(objects_app, name="objects")

@@ -24,7 +24,7 @@ from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
-from space.errors import Conflict, Internal, InvalidState, NotFound, SpaceError, Unavailable, from_wire
+from space.errors import Conflict, Internal, InvalidState, NotFound, ObjectTampered, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
 from space.node.client import NodeClient
 from space.objstore import ObjectStore
@@ -225,6 +225,11 @@ class Controller:
                 return
 
     async def _on_failure(self, op: Operation, exc: SpaceError) -> None:
+        if isinstance(exc, ObjectTampered):
+            try:
+                await self.lifecycle.tampered(op, exc)
+            except SpaceError as err:
+                log.warning("operation.tamper_record_failed", op=op.id, error=str(err))
         special = self._failure_handlers.get(op.kind)
         if special is not None:
             try:

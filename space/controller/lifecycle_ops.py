@@ -17,11 +17,12 @@ import structlog
 
 from space.controller.egress import egress_config
 from space.controller.nodes import NodeRegistry
-from space.errors import Conflict, InvalidState, NotFound, SnapshotCorrupt, SpaceError
+from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, SnapshotCorrupt, SpaceError
 from space.lifecycle import State
 from space.node.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Sandbox, Snapshot, Store
+from space.store.models import AuditRecord
 
 if TYPE_CHECKING:
     from space.credentials.manager import CredentialManager
@@ -125,7 +126,7 @@ class LifecycleOps:
         if snap.retain:
             key = retained_prefix(snap)
             res = await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}/upload",
-                                  json_body={"prefix": key}, timeout=LONG)
+                                  json_body={"prefix": key, "tenant": snap.tenant}, timeout=LONG)
             fields["object_key"] = key
             fields["meta"].update(uploaded_bytes=res.get("bytes"))
         snap = await self.store.update_snapshot(snap.id, status="ready", restorable=True, node_id=sb.node_id,
@@ -189,7 +190,7 @@ class LifecycleOps:
         node = await self._node_of(sb)
         prefix = object_prefix(sb, snap_id)
         res = await node.call("POST", f"/v1/sandboxes/{sb.id}/suspend",
-                              json_body={"snapshot": snap_id, "prefix": prefix,
+                              json_body={"snapshot": snap_id, "prefix": prefix, "tenant": sb.tenant,
                                          "kind": "full" if op.request.get("memory", True) else "disk"},
                               timeout=LONG)
         # Restorable only now: every artifact and the manifest are in object storage.
@@ -210,7 +211,7 @@ class LifecycleOps:
             if other.origin == "manual" and other.status == "ready":
                 key = object_prefix(sb, other.id)
                 await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{other.id}/upload",
-                                json_body={"prefix": key}, timeout=LONG)
+                                json_body={"prefix": key, "tenant": other.tenant}, timeout=LONG)
                 await self.store.update_snapshot(other.id, object_key=key, node_id=None)
             else:
                 await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
@@ -270,7 +271,8 @@ class LifecycleOps:
         sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",
                                json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
-                                          "disk_mb": sb.disk_mb, "egress": await self.egress(sb)},
+                                          "disk_mb": sb.disk_mb, "tenant": snap.tenant, "source": snap.sandbox_id,
+                                          "egress": await self.egress(sb)},
                                timeout=LONG)
         await self.store.update_snapshot(snap.id, node_id=node.node_id)
         sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
@@ -314,7 +316,7 @@ class LifecycleOps:
         result: dict[str, Any] = await node.call(
             "POST", f"/v1/sandboxes/{sb.id}/rollback",
             json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id,
-                       "prefix": snap.object_key if remote else None, "disk_mb": sb.disk_mb,
+                       "prefix": snap.object_key if remote else None, "disk_mb": sb.disk_mb, "tenant": snap.tenant,
                        "egress": await self.egress(sb) if remote else None}, timeout=LONG)
         if remote:
             await self.store.update_snapshot(snap.id, node_id=sb.node_id)  # now on this node too
@@ -322,9 +324,38 @@ class LifecycleOps:
 
     async def rollback_failed(self, op: Operation, exc: SpaceError) -> None:
         sb = await self.store.get_sandbox(op.target)
-        if sb.state == State.RESTORING:
-            await self.store.set_sandbox_state(sb.id, State.FAILED, expect=[State.RESTORING],
-                                               error_code=exc.code, error_message=exc.message)
+        if sb.state != State.RESTORING:
+            return
+        back = op.request.get("from_state")
+        if isinstance(exc, ObjectTampered) and back in (State.RUNNING.value, State.PAUSED.value):
+            # Refused while its manifest was verified, before the node touched the sandbox: it
+            # runs on as it was, and a rollback after the bucket is repaired can still be made.
+            sb = await self.store.set_sandbox_state(sb.id, State(back), expect=[State.RESTORING],
+                                                    error_code=exc.code, error_message=exc.message)
+            await self.event(sb, "rollback_failed", f"rollback refused, the sandbox is {back} as before: "
+                             f"{exc.message}")
+            return
+        await self.store.set_sandbox_state(sb.id, State.FAILED, expect=[State.RESTORING],
+                                           error_code=exc.code, error_message=exc.message)
+
+    async def tampered(self, op: Operation, exc: SpaceError) -> None:
+        """Object storage held something this deployment did not write (:class:`ObjectTampered`):
+        an event on every sandbox the operation was for, and an audit record for the operator."""
+        key = str(exc.details.get("key") or "")
+        reason = str(exc.details.get("reason") or "")
+        sandboxes = [op.target] if op.kind.startswith("sandbox.") else []
+        if op.kind == "sandbox.fork":
+            sandboxes = [str(s) for s in op.request.get("sandbox_ids") or []]
+        for sid in sandboxes:
+            with contextlib.suppress(NotFound):
+                sb = await self.store.get_sandbox(sid)
+                await self.event(sb, "object_tampered", f"refused what object storage holds at {key}: {exc.message}",
+                                 key=key, reason=reason, operation=op.id)
+        await self.store.record_audit([AuditRecord(
+            tenant=op.tenant, actor="system", action="objstore.tampered", target=key, result=exc.code,
+            status=exc.status, details={"reason": reason, "operation": op.id, "kind": op.kind, "sandboxes": sandboxes,
+                                        "message": exc.message})])
+        log.error("objstore.tampered", key=key, reason=reason, operation=op.id, kind=op.kind)
 
     async def recover(self, op: Operation) -> dict[str, Any]:
         """A sandbox whose runtime died comes back from its latest full checkpoint (processes and
@@ -411,7 +442,8 @@ class LifecycleOps:
                 await self.store.update_sandbox(fid, node_id=node.node_id)
             info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
                                    json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
-                                              "disk_mb": f.disk_mb, "egress": await self.egress(f)},
+                                              "disk_mb": f.disk_mb, "tenant": snap.tenant, "source": snap.sandbox_id,
+                                              "egress": await self.egress(f)},
                                    timeout=LONG)
         try:
             f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],

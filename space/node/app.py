@@ -137,6 +137,8 @@ class RollbackRequest(BaseModel):
     token: str | None = None
     #: Where the snapshot is in object storage, when it is not on this node.
     prefix: str | None = Field(None, max_length=512)
+    #: The snapshot's tenant: with ``prefix``, its manifest must be sealed for it.
+    tenant: str | None = Field(None, min_length=1, max_length=128)
     egress: EgressConfig | None = None
     #: The sandbox's disk limit in MiB, for its new root (None: the one it has).
     disk_mb: int | None = Field(None, ge=16, le=1 << 30)
@@ -144,6 +146,8 @@ class RollbackRequest(BaseModel):
 
 class UploadRequest(BaseModel):
     prefix: str = Field(..., min_length=1, max_length=512)
+    #: The snapshot's tenant: its manifest is sealed for it.
+    tenant: str = Field(..., min_length=1, max_length=128)
 
 
 class RebootRequest(BaseModel):
@@ -161,6 +165,10 @@ class ForkRequest(BaseModel):
 class ShipRequest(BaseModel):
     snapshot: str
     prefix: str = Field(..., min_length=1, max_length=512)
+    #: The snapshot's tenant, and (restore) the sandbox that owns it when it is not this one (a
+    #: fork from a shipped snapshot): its manifest must be sealed for exactly them.
+    tenant: str = Field(..., min_length=1, max_length=128)
+    source: str | None = Field(None, min_length=1, max_length=128)
     token: str | None = None
     egress: EgressConfig | None = None
     #: Suspend only: ``full`` keeps memory (a restore resumes the processes), ``disk`` only the
@@ -402,7 +410,9 @@ def create_node_app(
         owner = body.source or sandbox_id
         await _egress(sandbox_id, body.egress)
         if body.prefix and snapshots.read(manager.pool, owner, body.snapshot) is None:
-            await manager.fetch_snapshot(owner, body.snapshot, body.prefix)
+            if body.tenant is None:
+                raise InvalidRequest("a rollback to a snapshot in object storage needs its tenant", field="tenant")
+            await manager.fetch_snapshot(owner, body.snapshot, body.prefix, tenant=body.tenant)
         sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source,
                                     disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
@@ -410,7 +420,7 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/snapshots/{snap_id}/upload")
     async def upload_snapshot(sandbox_id: str, snap_id: str, body: UploadRequest) -> dict[str, Any]:
-        return await manager.upload_snapshot(sandbox_id, snap_id, body.prefix)
+        return await manager.upload_snapshot(sandbox_id, snap_id, body.prefix, tenant=body.tenant)
 
     @r.post("/sandboxes/{sandbox_id}/reboot")
     async def reboot(sandbox_id: str, body: RebootRequest) -> dict[str, Any]:
@@ -425,12 +435,13 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/suspend")
     async def suspend(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
-        return await manager.suspend(sandbox_id, body.snapshot, body.prefix, kind=body.kind)
+        return await manager.suspend(sandbox_id, body.snapshot, body.prefix, kind=body.kind, tenant=body.tenant)
 
     @r.post("/sandboxes/{sandbox_id}/restore")
     async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
         await _egress(sandbox_id, body.egress)
-        sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token, disk_mb=body.disk_mb)
+        sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token, disk_mb=body.disk_mb,
+                                   tenant=body.tenant, owner=body.source)
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 

@@ -1,16 +1,21 @@
 """The format snapshots are shipped in to object storage, and a single-flight for fetching them.
 
 A shipped snapshot is a prefix holding its artifacts (opaque files: a ``btrfs send`` stream, the
-runsc checkpoint images...) and ``manifest.json``::
+runsc checkpoint images...) and ``manifest.json``, sealed with the deployment's manifest key
+(:mod:`space.objauth`)::
 
-    {"format": 1, "created_at": "...", "meta": {...},
-     "artifacts": [{"name": "rootfs.btrfs.zst", "size": 123, "sha256": "..."}, ...]}
+    {"format": 2, "kind": "snapshot", "mac": {...},
+     "body": {"binding": {"tenant", "sandbox_id", "snapshot_id", "prefix"},
+              "created_at": "...", "meta": {...},
+              "artifacts": [{"name": "rootfs.btrfs.zst", "size": 123, "sha256": "..."}, ...]}}
 
 The manifest is the commit point. It is written only after every artifact was uploaded, and it is
 the first thing deleted, both when a snapshot is deleted and when an upload starts over. So a
 prefix without a manifest is an upload that never finished and is never restored, and a manifest
-never describes data it was not written for. A download checks every artifact's size and sha256
-against the manifest.
+never describes data it was not written for. A manifest is opened only with the binding the
+reader expects (a valid manifest of another sandbox, tenant, snapshot or place is refused:
+:class:`~space.errors.ObjectTampered`), and a download then checks every artifact's size and
+sha256 against it before anything uses a byte.
 
 This module knows nothing of btrfs or runsc: callers hand it files and byte streams.
 """
@@ -34,7 +39,8 @@ from typing import Any, TypeVar
 import structlog
 
 from space import failpoints
-from space.errors import InvalidRequest, NotFound, SnapshotCorrupt
+from space.errors import InvalidRequest, NotFound, ObjectTampered, SnapshotCorrupt
+from space.objauth import ManifestKeys, check_binding
 from space.objstore import ObjectStore, PutResult, check_key
 
 log = structlog.get_logger(__name__)
@@ -42,7 +48,9 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+#: The sealed format (:mod:`space.objauth`); format 1 was the same body unsealed.
+FORMAT_VERSION = 2
+KIND = "snapshot"
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -77,6 +85,8 @@ class Manifest:
     created_at: str
     meta: dict[str, Any]
     artifacts: tuple[ArtifactRecord, ...] = field(default_factory=tuple)
+    #: What it was written for (tenant, sandbox, snapshot, its prefix): checked on every read.
+    binding: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -88,34 +98,40 @@ class Manifest:
                 return a
         raise NotFound(f"the snapshot has no artifact {name!r}", artifact=name)
 
-    def to_json(self) -> bytes:
-        body = {
-            "format": self.version,
+    def body(self) -> dict[str, Any]:
+        return {
+            "binding": dict(self.binding),
             "created_at": self.created_at,
             "meta": self.meta,
             "artifacts": [{"name": a.name, "size": a.size, "sha256": a.sha256} for a in self.artifacts],
         }
-        return json.dumps(body, indent=2, sort_keys=True).encode() + b"\n"
+
+    def seal(self, keys: ManifestKeys) -> bytes:
+        return keys.seal(KIND, self.body())
 
     @classmethod
-    def from_json(cls, data: bytes, *, prefix: str) -> Manifest:
-        """Parse a manifest; anything malformed is :class:`SnapshotCorrupt` naming ``prefix``."""
+    def open(cls, data: bytes, *, keys: ManifestKeys, prefix: str, binding: dict[str, str]) -> Manifest:
+        """Verify and parse the manifest stored at ``prefix``: :class:`ObjectTampered` unless it is
+        sealed with this deployment's key for exactly ``binding``; :class:`SnapshotCorrupt` if its
+        (authentic) body is malformed."""
+        key = f"{prefix}/{MANIFEST}"
+        opened = keys.open(data, KIND, key=key, what=f"snapshot {prefix}")
+        check_binding(opened.body, binding, key=key, what=f"snapshot {prefix}")
+        return cls.from_body(opened.body, prefix=prefix)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str) -> Manifest:
+        """Parse a manifest body; anything malformed is :class:`SnapshotCorrupt` naming ``prefix``."""
 
         def bad(why: str) -> SnapshotCorrupt:
             return SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: {why}", snapshot=prefix)
 
-        try:
-            body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"not JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise bad("not a JSON object")
-        version = body.get("format")
-        if version != FORMAT_VERSION:
-            raise bad(f"format {version!r}; this SPACE reads format {FORMAT_VERSION}")
-        created_at, meta, raw = body.get("created_at"), body.get("meta"), body.get("artifacts")
+        created_at, meta, raw, binding = body.get("created_at"), body.get("meta"), body.get("artifacts"), \
+            body.get("binding", {})
         if not isinstance(created_at, str) or not isinstance(meta, dict) or not isinstance(raw, list):
             raise bad("created_at, meta or artifacts is missing or of the wrong type")
+        if not isinstance(binding, dict) or not all(isinstance(v, str) for v in binding.values()):
+            raise bad("its binding is not an object of strings")
         records: list[ArtifactRecord] = []
         for item in raw:
             if not isinstance(item, dict):
@@ -128,7 +144,26 @@ class Manifest:
             records.append(ArtifactRecord(name=name, size=size, sha256=sha))
         if len({r.name for r in records}) != len(records):
             raise bad("an artifact is listed twice")
-        return cls(version=version, created_at=created_at, meta=meta, artifacts=tuple(records))
+        return cls(version=FORMAT_VERSION, created_at=created_at, meta=meta, artifacts=tuple(records),
+                   binding=dict(binding))
+
+    @classmethod
+    def parse_legacy(cls, data: bytes, *, prefix: str) -> Manifest:
+        """A format-1 (unsealed) manifest, for ``space objects migrate`` only: nothing restores
+        from one."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: not JSON ({e})",
+                                  snapshot=prefix) from None
+        if not isinstance(body, dict) or body.get("format") != 1:
+            raise SnapshotCorrupt(f"snapshot {prefix}: its manifest is not a format-1 manifest", snapshot=prefix)
+        return cls.from_body({k: v for k, v in body.items() if k != "binding"}, prefix=prefix)
+
+
+def snapshot_binding(*, tenant: str, sandbox_id: str, snapshot_id: str, prefix: str) -> dict[str, str]:
+    """What a snapshot's manifest is bound to: opened anywhere else, it is refused."""
+    return {"tenant": tenant, "sandbox_id": sandbox_id, "snapshot_id": snapshot_id, "prefix": _prefix(prefix)}
 
 
 def _valid_name(name: str) -> bool:
@@ -170,8 +205,10 @@ async def _progress(on_progress: Progress | None, message: str) -> None:
 
 
 async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[Artifact], meta: dict[str, Any],
-                          *, on_progress: Progress | None = None) -> Manifest:
-    """Upload ``artifacts`` under ``prefix``, then commit them by writing the manifest.
+                          *, keys: ManifestKeys, binding: dict[str, str],
+                          on_progress: Progress | None = None) -> Manifest:
+    """Upload ``artifacts`` under ``prefix``, then commit them by writing the manifest, sealed
+    with ``keys`` for ``binding`` (:func:`snapshot_binding`).
 
     Whatever was under ``prefix`` before (an older manifest first, then the partial data of an
     upload that crashed) is deleted first, so a retry starts clean. If any artifact fails, the
@@ -179,6 +216,8 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
     """
     prefix = _prefix(prefix)
     _check_names([a.name for a in artifacts])
+    if binding.get("prefix") != prefix:
+        raise InvalidRequest(f"a snapshot manifest at {prefix} must be bound to it, not {binding.get('prefix')!r}")
     await store.delete(f"{prefix}/{MANIFEST}")
     stale = await store.delete_prefix(prefix)
     if stale:
@@ -196,34 +235,47 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
         records.append(ArtifactRecord(name=art.name, size=result.size, sha256=result.sha256))
         await _progress(on_progress, f"uploaded {art.name}: {result.size} bytes")
     manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=dict(meta),
-                        artifacts=tuple(records))
+                        artifacts=tuple(records), binding=dict(binding))
     await failpoints.hit("artifacts.before_manifest")
-    await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.to_json())
+    await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.seal(keys))
     log.info("snapshot uploaded", prefix=prefix, artifacts=len(records), bytes=manifest.total_size,
              store=store.describe())
     return manifest
 
 
-async def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
-    """The manifest of the snapshot at ``prefix``; :class:`SnapshotCorrupt` if absent or unreadable."""
+async def read_manifest(store: ObjectStore, prefix: str, *, keys: ManifestKeys,
+                        binding: dict[str, str]) -> Manifest:
+    """The verified manifest of the snapshot at ``prefix``: :class:`SnapshotCorrupt` if absent or
+    unreadable, :class:`ObjectTampered` unless sealed with ``keys`` for exactly ``binding``."""
     prefix = _prefix(prefix)
+    key = f"{prefix}/{MANIFEST}"
     try:
-        data = await store.get_bytes(f"{prefix}/{MANIFEST}")
+        data = await store.get_bytes(key)
     except NotFound:
         raise SnapshotCorrupt(f"snapshot {prefix} has no manifest: its upload never finished",
                               snapshot=prefix) from None
-    return Manifest.from_json(data, prefix=prefix)
+    try:
+        return Manifest.open(data, keys=keys, prefix=prefix, binding=binding)
+    except ObjectTampered as e:
+        log.error("objstore.tampered", key=key, reason=e.details.get("reason"), error=e.message,
+                  store=store.describe())
+        raise
 
 
-async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, names: Sequence[str] | None = None,
-                            on_progress: Progress | None = None) -> Manifest:
-    """Download the snapshot's artifacts (all, or ``names``) to ``dest/<name>``, each verified.
+async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys: ManifestKeys,
+                            binding: dict[str, str], manifest: Manifest | None = None,
+                            names: Sequence[str] | None = None, on_progress: Progress | None = None) -> Manifest:
+    """Download the snapshot's artifacts (all, or ``names``) to ``dest/<name>``, each verified
+    against its manifest (read and verified here unless the caller passes the one it verified).
 
     A missing or mismatching artifact is :class:`SnapshotCorrupt` naming the snapshot and the
     artifact; on any failure the files this call wrote are removed.
     """
     prefix = _prefix(prefix)
-    manifest = await read_manifest(store, prefix)
+    if manifest is None:
+        manifest = await read_manifest(store, prefix, keys=keys, binding=binding)
+    elif manifest.binding != binding:
+        raise InvalidRequest(f"the manifest given for {prefix} is bound to {manifest.binding}, not {binding}")
     if names is None:
         wanted = list(manifest.artifacts)
     else:
@@ -247,6 +299,7 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, name
                 raise SnapshotCorrupt(f"snapshot {prefix} is corrupt: its artifact {rec.name} is missing",
                                       snapshot=prefix, artifact=rec.name) from None
             except SnapshotCorrupt as e:
+                log.error("objstore.artifact_mismatch", key=key, error=e.message, store=store.describe())
                 raise SnapshotCorrupt(f"snapshot {prefix} is corrupt: artifact {rec.name}: {e.message}",
                                       snapshot=prefix, artifact=rec.name) from None
             written.append(target)

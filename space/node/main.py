@@ -32,6 +32,7 @@ from space.node.pool import Pool, default_reserve
 from space.node.sandboxes import SandboxManager
 from space.node.templates import TemplateStore
 from space.node.warm import WarmPool
+from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
 from space.runtime.gvisor import GVisorDriver
@@ -74,6 +75,8 @@ class NodeSettings:
     #: The ``AWS_*`` settings of an S3 object store, when given explicitly (``space serve``'s node
     #: agent reads them from ``--secrets-fd``); None: from this process's environment.
     object_store_env: dict[str, str] | None = dataclasses.field(default=None, repr=False)
+    #: The deployment's manifest keys (:mod:`space.objauth`): required with an object store.
+    manifest_keys: ManifestKeys | None = None
     #: Control plane to register with on start (multi-node), with an admin API key.
     register_url: str | None = None
     register_key: str | None = None
@@ -230,7 +233,8 @@ async def build_node(settings: NodeSettings) -> Node:
                              else default_reserve(size))
     objects = (ObjectStore.from_url(settings.object_store_url, env=settings.object_store_env)
                if settings.object_store_url else None)
-    templates = TemplateStore(pool, settings.cache_dir, objects=objects)
+    templates = TemplateStore(pool, settings.cache_dir, objects=objects,
+                              keys=settings.manifest_keys if objects is not None else None)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None
     manager = SandboxManager(

@@ -23,13 +23,14 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.node import port_proxy, shipping, snapshots, startup
-from space.node.artifacts import read_manifest
+from space.node import port_proxy, shipping, snapshots, startup, template_objects
+from space.node.artifacts import read_manifest, snapshot_binding
 from space.node.egress import Egress
 from space.node.guest_client import GuestConnection
 from space.node.network import SandboxNet
 from space.node.pool import Pool
-from space.node.templates import TemplateStore
+from space.node.templates import TemplateStore, spec_digest
+from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.runtime.base import InstanceSpec, RuntimeDriver
 
@@ -753,51 +754,71 @@ class SandboxManager:
 
     # -- suspend / restore through object storage --------------------------------------------
 
-    def _objects(self) -> ObjectStore:
+    def _objects(self) -> tuple[ObjectStore, ManifestKeys]:
         if self.objects is None:
             raise Unavailable("this node has no object store configured")
-        return self.objects
+        # One keyring per node: the template store's (it cannot have an object store without it).
+        assert self.templates.keys is not None
+        return self.objects, self.templates.keys
 
     async def suspend(self, sandbox_id: str, snap_id: str, prefix: str,
-                      on_progress: shipping.Progress | None = None, *, kind: str = "full") -> dict[str, Any]:
+                      on_progress: shipping.Progress | None = None, *, kind: str = "full",
+                      tenant: str) -> dict[str, Any]:
         """Freeze, take a snapshot (``full``: with memory; ``disk``: the files only) and ship it
         (template first, then artifacts, then manifest). The sandbox stays paused here: the caller
         evicts it once the snapshot is recorded."""
         await self.take_snapshot(sandbox_id, snap_id, kind, stay_paused=True)
-        return await self.upload_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
+        return await self.upload_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant)
 
     async def upload_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
-                              on_progress: shipping.Progress | None = None) -> dict[str, Any]:
-        """Ship one of the sandbox's snapshots to object storage (its template first)."""
-        objects = self._objects()
+                              on_progress: shipping.Progress | None = None, *, tenant: str) -> dict[str, Any]:
+        """Ship one of the sandbox's snapshots to object storage (its template first), its manifest
+        sealed for this tenant, sandbox, snapshot and prefix."""
+        objects, keys = self._objects()
         snap = snapshots.get(self.pool, sandbox_id, snap_id)
-        info = await self.templates.publish(objects, snap.template, snap.template_digest, on_progress=on_progress)
+        published = await self.templates.publish(objects, snap.template, snap.template_digest,
+                                                 on_progress=on_progress)
         root = self.pool.template_path(snap.template, snap.template_digest)
+        binding = snapshot_binding(tenant=tenant, sandbox_id=sandbox_id, snapshot_id=snap_id, prefix=prefix)
         return await shipping.upload(objects, prefix, self.pool, snap, root,
-                                     {"template_spec": info.spec, "sandbox_id": sandbox_id},
-                                     on_progress=on_progress)
+                                     {"template_spec": published.spec, "template": published.ref(),
+                                      "sandbox_id": sandbox_id},
+                                     on_progress=on_progress, keys=keys, binding=binding)
 
     async def fetch_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
-                             on_progress: shipping.Progress | None = None) -> snapshots.LocalSnapshot:
-        """Bring one of the sandbox's shipped snapshots back onto this node (template first)."""
-        objects = self._objects()
-        manifest = await read_manifest(objects, prefix)
+                             on_progress: shipping.Progress | None = None, *, tenant: str,
+                             owner: str | None = None) -> snapshots.LocalSnapshot:
+        """Bring a shipped snapshot of ``owner`` (default: this sandbox) onto this node, into
+        ``sandbox_id``'s directory: its manifest verified (sealed for exactly that tenant, owner,
+        snapshot and prefix), then the template stream it names, then its artifacts."""
+        objects, keys = self._objects()
+        binding = snapshot_binding(tenant=tenant, sandbox_id=owner or sandbox_id, snapshot_id=snap_id, prefix=prefix)
+        manifest = await read_manifest(objects, prefix, keys=keys, binding=binding)
         spec = manifest.meta.get("template_spec") or {}
-        if not spec:
+        if not isinstance(spec, dict) or not spec:
             raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest names no template", snapshot_id=snap_id)
-        await self.templates.ensure(spec, on_progress=on_progress)
-        return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress)
+        name, digest, stream = template_objects.parse_ref(manifest.meta.get("template"),
+                                                          where=f"snapshot {snap_id}'s manifest")
+        if (name, digest) != (spec.get("name"), spec_digest(spec)):
+            raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest's template {name}@{digest[:16]} is not "
+                                  "the one its spec describes", snapshot_id=snap_id)
+        await self.templates.ensure(spec, on_progress=on_progress, stream=stream)
+        return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress,
+                                       keys=keys, binding=binding, manifest=manifest)
 
     async def restore(self, sandbox_id: str, snap_id: str, prefix: str, *, token: str | None = None,
-                      on_progress: shipping.Progress | None = None, disk_mb: int | None = None) -> LocalSandbox:
-        """Bring a suspended sandbox back on this node: its template (materialized if missing,
-        one download shared by concurrent restores), its shipped snapshot (verified before use),
-        then a restore of its memory. On failure nothing of it is left on this node."""
+                      on_progress: shipping.Progress | None = None, disk_mb: int | None = None,
+                      tenant: str, owner: str | None = None) -> LocalSandbox:
+        """Bring a suspended sandbox back on this node (or make a new one, ``sandbox_id``, of
+        ``owner``'s shipped snapshot): its template (materialized if missing, one download shared
+        by concurrent restores), its shipped snapshot (verified before use), then a restore of its
+        memory. On failure nothing of it is left on this node."""
         existing = self._sandboxes.get(sandbox_id)
         if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
             return existing
         try:
-            snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress)
+            snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant,
+                                             owner=owner)
             await self.adopt_snapshot(sandbox_id, snap)
             return await self.rollback(sandbox_id, snap_id, token=token, disk_mb=disk_mb)
         except BaseException:

@@ -2,9 +2,12 @@
 
 A shipped snapshot is, under its prefix: ``rootfs.btrfs.zst`` (``btrfs send -p <template>`` of the
 snapshot's root: only what the sandbox changed), the memory image files ``checkpoint/<file>`` as
-runsc wrote them (already compressed), and ``manifest.json`` written last
-(:mod:`space.node.artifacts`): no manifest, no restore. Templates travel on their own
-(:meth:`space.node.templates.TemplateStore.publish`) so that a node without one can materialize it.
+runsc wrote them (already compressed), and ``manifest.json`` written last, sealed with the
+deployment's manifest key and bound to the tenant, sandbox, snapshot and prefix
+(:mod:`space.node.artifacts`): no manifest, no restore; a manifest that does not open for exactly
+this snapshot, no restore either. Templates travel on their own
+(:meth:`space.node.templates.TemplateStore.publish`) so that a node without one can materialize it;
+the manifest names the template stream (by the hash of its bytes) the delta was taken against.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import structlog
 from space import childenv
 from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
 from space.node import snapshots
-from space.node.artifacts import Artifact, download_snapshot, upload_snapshot
+from space.node.artifacts import Artifact, Manifest, download_snapshot, upload_snapshot
 from space.node.pool import Pool
+from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 
 log = structlog.get_logger("space.node.shipping")
@@ -169,16 +173,19 @@ async def upload(
     template_root: Path,
     meta: dict[str, Any],
     on_progress: Progress | None = None,
+    *,
+    keys: ManifestKeys,
+    binding: dict[str, str],
 ) -> dict[str, Any]:
     """Ship a snapshot: its files as a delta against the template, its memory image (full ones),
-    then the manifest (the commit point)."""
+    then the manifest (the commit point), sealed for ``binding``."""
     root = snapshots.rootfs_of(pool, snap.sandbox_id, snap.id)
     image = snapshots.image_of(pool, snap.sandbox_id, snap.id)
     arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root, pool=pool))]
     for f in sorted(image.iterdir()) if snap.kind == "full" else []:
         arts.append(Artifact(name=f"checkpoint/{f.name}", path=f))
     manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": snap.public()},
-                                     on_progress=on_progress)
+                                     keys=keys, binding=binding, on_progress=on_progress)
     total = sum(a.size for a in manifest.artifacts)
     log.info("snapshot.uploaded", snapshot=snap.id, prefix=prefix, bytes=total)
     return {"prefix": prefix, "bytes": total,
@@ -192,12 +199,17 @@ async def download(
     sandbox_id: str,
     snap_id: str,
     on_progress: Progress | None = None,
+    *,
+    keys: ManifestKeys,
+    binding: dict[str, str],
+    manifest: Manifest | None = None,
 ) -> snapshots.LocalSnapshot:
     """Bring a shipped snapshot into ``sandboxes/<sandbox_id>/snapshots/<snap_id>`` on this node.
 
-    Everything is downloaded and verified against the manifest before anything is applied; the
-    template must already be on the node (the delta is received on top of it). On any failure
-    nothing of the snapshot is left behind.
+    The manifest must open for ``binding`` (or be the one the caller verified for it); everything
+    is downloaded and verified against it before anything is applied; the template must already
+    be on the node (the delta is received on top of it). On any failure nothing of the snapshot
+    is left behind.
     """
     done = snapshots.read(pool, sandbox_id, snap_id)
     if done is not None:
@@ -207,7 +219,8 @@ async def download(
     await pool.delete_subvolume(d)
     await asyncio.to_thread(shutil.rmtree, incoming, True)
     try:
-        manifest = await download_snapshot(store, prefix, incoming, on_progress=on_progress)
+        manifest = await download_snapshot(store, prefix, incoming, keys=keys, binding=binding,
+                                           manifest=manifest, on_progress=on_progress)
         raw = dict(manifest.meta.get("snapshot") or {})
         if raw.get("id") != snap_id:
             raise SnapshotCorrupt(f"snapshot {snap_id}: the manifest at {prefix} describes "

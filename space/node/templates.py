@@ -7,9 +7,15 @@ first:
 1. a ready template with that digest is in the pool → returned as is;
 2. the node's cache holds its exported stream (``<cache>/templates/<name>-<digest>.btrfs.zst``)
    → ``zstd -d`` here into the root helper's ``stream.receive`` (seconds);
-3. else it is built (debootstrap, then user and mount points, then cleanup: the helper's
+3. object storage holds it (:mod:`space.node.template_objects`: a stream addressed by the hash of
+   its bytes, named by a manifest sealed with the deployment's key) → downloaded into the cache as
+   ``<name>-<digest>-<sha256>.btrfs.zst``, verified, then received;
+4. else it is built (debootstrap, then user and mount points, then cleanup: the helper's
    ``template.*`` verbs), published atomically
    as a read-only snapshot, and exported to the cache for the next pool on this machine.
+
+A caller that knows which stream it needs (a restore: the snapshot's sealed manifest names the
+template stream its delta was taken against) passes it; then only those bytes are received.
 
 Readiness is the manifest ``templates/<name>@<digest16>.json``, written only once the subvolume is
 read-only and complete. Materialization is single-flight: one asyncio lock per digest in a process
@@ -44,10 +50,21 @@ from typing import Any, Final
 
 import structlog
 
-from space.errors import InvalidRequest, NotFound, RuntimeFailure, SpaceError, ValidationFailed
-from space.node import shipping, template_build, template_spec
+from space import objauth
+from space.errors import (
+    InvalidRequest,
+    NotFound,
+    ObjectTampered,
+    RuntimeFailure,
+    SnapshotCorrupt,
+    SpaceError,
+    ValidationFailed,
+)
+from space.node import shipping, template_build, template_objects, template_spec
 from space.node.helper import verbs_template
 from space.node.pool import Pool, check_name, file_lock
+from space.node.template_objects import Published, StreamRef
+from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -167,10 +184,13 @@ class _Flight:
 
 class TemplateStore:
     def __init__(self, pool: Pool, cache_dir: Path = DEFAULT_CACHE_DIR, *, builder: Builder | None = None,
-                 objects: ObjectStore | None = None):
+                 objects: ObjectStore | None = None, keys: ManifestKeys | None = None):
+        if objects is not None and keys is None:
+            raise objauth.ManifestKeyError("a template store with an object store needs the manifest key")
         self.pool = pool
         self.cache_dir = cache_dir
         self.objects = objects
+        self.keys = keys
         self._builder: Builder = builder or functools.partial(debootstrap_builder, pool=pool)
         self._flights: dict[str, _Flight] = {}
         #: Template streams this process fetched from object storage (single-flight shows here).
@@ -196,13 +216,21 @@ class TemplateStore:
         return sorted(out, key=lambda t: (t.name, t.created_at))
 
     def stream_path(self, name: str, digest: str) -> Path:
+        """This node's own export of the template (what a build leaves for the next pool here)."""
         return self.cache_dir / "templates" / f"{name}-{digest}.btrfs.zst"
+
+    def verified_path(self, name: str, digest: str, sha256: str) -> Path:
+        """A stream downloaded from object storage, kept under the hash it was verified against."""
+        return self.cache_dir / "templates" / f"{name}-{digest}-{sha256}.btrfs.zst"
 
     # -- ensure --------------------------------------------------------------------------------
 
     async def ensure(
-        self, spec: dict[str, Any], *, on_progress: Progress | None = None, force: bool = False
+        self, spec: dict[str, Any], *, on_progress: Progress | None = None, force: bool = False,
+        stream: StreamRef | None = None,
     ) -> TemplateInfo:
+        """Materialize the template of ``spec``; with ``stream`` (what a sealed snapshot manifest
+        names), a node that lacks it receives exactly that stream or fails."""
         spec = validate_spec(spec)
         digest = spec_digest(spec)
         label = f"{spec['name']}@{digest[:16]}"
@@ -223,7 +251,7 @@ class TemplateStore:
 
                 lock = self.cache_dir / "locks" / f"{digest}.lock"
                 async with file_lock(lock, on_contended=contended):
-                    info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force)
+                    info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force, stream)
                 flight.completed += 1
                 return info
         finally:
@@ -235,7 +263,8 @@ class TemplateStore:
                 self._flights.pop(digest, None)
 
     async def _ensure_locked(
-        self, spec: dict[str, Any], digest: str, emit: Progress, own: Progress | None, force: bool
+        self, spec: dict[str, Any], digest: str, emit: Progress, own: Progress | None, force: bool,
+        want: StreamRef | None,
     ) -> TemplateInfo:
         """``emit`` reaches every caller waiting on this digest; ``own`` only this one (a waiter
         that watched the build need not tell the others it found the result)."""
@@ -263,8 +292,15 @@ class TemplateStore:
                 await self.pool.delete_subvolume(final)  # a partial receive
 
         stream = self.stream_path(name, digest)
-        if not stream.exists() and not force and self.objects is not None:
-            await self._fetch(name, digest, stream, emit)
+        if not force and (want is not None or not stream.exists()) and self.objects is not None:
+            # Raises when object storage holds something unauthentic: that is never received,
+            # nor papered over by a build.
+            fetched = await self._fetch(spec, digest, want, emit)
+            if fetched is not None:
+                stream = fetched
+        elif want is not None and not force:
+            raise SnapshotCorrupt(f"template {label} is not on this node and there is no object store to fetch "
+                                  "the stream the snapshot needs from", template=name)
         if stream.exists() and not force:
             try:
                 return await self._receive(spec, digest, stream, emit)
@@ -273,35 +309,72 @@ class TemplateStore:
                 await emit(f"template {label}: cached stream unusable ({exc.message}); rebuilding")
                 await self._delete(final)
                 stream.unlink(missing_ok=True)
+        if want is not None:
+            raise SnapshotCorrupt(f"template {label}: the stream the snapshot was taken on (sha256 "
+                                  f"{want.sha256[:16]}) could not be received; a rebuild would not match it",
+                                  template=name)
         if template_spec.is_saved(spec):
             raise NotFound(f"template {label} was saved from sandbox {spec['sandbox']} and cannot be rebuilt; "
                            "its stream is not in object storage (nor in this node's cache)", template=name)
         return await self._build(spec, digest, emit)
 
-    async def _fetch(self, name: str, digest: str, stream: Path, emit: Progress) -> None:
-        """Download the template's stream from object storage into the cache, if it is there."""
-        assert self.objects is not None
-        key = template_key(name, digest)
-        size = await self.objects.size(key)
-        if size is None:
-            return
-        await emit(f"template {name}@{digest[:16]}: downloading from object storage ({size / 1e6:.0f} MB)")
+    async def _fetch(self, spec: dict[str, Any], digest: str, want: StreamRef | None,
+                     emit: Progress) -> Path | None:
+        """The verified stream of the template in this node's cache, downloading it from object
+        storage if need be; None when object storage does not have it (and nobody needs exactly it)."""
+        assert self.objects is not None and self.keys is not None
+        name = spec["name"]
+        label = f"{name}@{digest[:16]}"
+        if want is None:
+            published = await template_objects.read(self.objects, self.keys, name, digest)
+            if published is None:
+                if await template_objects.has_legacy_stream(self.objects, name, digest):
+                    log.warning("objstore.unauthenticated_ignored", template=label,
+                                key=template_objects.legacy_stream_key(name, digest))
+                    if template_spec.is_saved(spec):
+                        key = template_objects.legacy_stream_key(name, digest)
+                        raise objauth.tampered(
+                            f"template {label}: object storage holds only an unauthenticated stream ({key}); "
+                            f"it is not received: {objauth.MIGRATE_HINT}", key=key, reason=objauth.UNAUTHENTICATED)
+                    await emit(f"template {label}: object storage holds only an unauthenticated stream from "
+                               "before streams were sealed; ignored (`space objects migrate` re-authenticates it)")
+                return None
+            if spec_digest(published.spec) != digest:
+                key = template_objects.manifest_key(name, digest)
+                raise objauth.tampered(f"template {label}: its sealed manifest {key} holds another spec",
+                                       key=key, reason=objauth.BOUND_ELSEWHERE)
+            want = published.stream
+        dest = self.verified_path(name, digest, want.sha256)
+        if dest.exists():
+            return dest
+        key = template_objects.stream_key(name, digest, want.sha256)
+        await emit(f"template {label}: downloading from object storage ({want.size / 1e6:.0f} MB)")
         started = time.monotonic()
-        stream.parent.mkdir(parents=True, exist_ok=True)
-        await self.objects.get_to_file(key, stream, expected_size=size)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await template_objects.fetch(self.objects, name, digest, want, dest)
         self.downloads += 1
-        log.info("template.downloaded", template=f"{name}@{digest[:16]}", bytes=size,
+        log.info("template.downloaded", template=label, key=key, bytes=want.size,
                  seconds=round(time.monotonic() - started, 2))
+        return dest
 
     async def publish(self, objects: ObjectStore, name: str, digest: str, *,
-                      on_progress: Progress | None = None) -> TemplateInfo:
-        """Make sure object storage holds this template's stream, so any node can materialize it."""
+                      on_progress: Progress | None = None) -> Published:
+        """Make sure object storage holds this template (its stream and sealed manifest), so any
+        node can materialize it; what it holds, as a snapshot's manifest names it."""
+        assert self.keys is not None
         info = _read_manifest(_manifest_path(self.pool.template_path(name, digest)))
         if info is None or info.digest != digest:
             raise NotFound(f"template {name}@{digest[:16]} is not on this node", template=name)
-        key = template_key(name, digest)
-        if await objects.exists(key):
-            return info
+        try:
+            published = await template_objects.read(objects, self.keys, name, digest)
+        except ObjectTampered as exc:
+            # This node has the real template: what it publishes replaces what was planted.
+            log.warning("objstore.tampered_replaced", template=f"{name}@{digest[:16]}", key=exc.details.get("key"),
+                        reason=exc.details.get("reason"))
+            published = None
+        if published is not None and spec_digest(published.spec) == digest \
+                and await objects.size(published.stream_key) == published.stream.size:
+            return published
         stream = self.stream_path(name, digest)
         lock = self.cache_dir / "locks" / f"{digest}.lock"
         async with file_lock(lock):
@@ -309,12 +382,11 @@ class TemplateStore:
                 await self._export(info.path, stream, on_progress or _quiet)
             if not stream.exists():
                 raise RuntimeFailure(f"template {name}@{digest[:16]} could not be exported for upload")
-            if not await objects.exists(key):
-                if on_progress is not None:
-                    await on_progress(f"template {name}@{digest[:16]}: uploading to object storage")
-                await objects.put_file(key, stream)
-        log.info("template.published", template=f"{name}@{digest[:16]}", key=key)
-        return info
+            if on_progress is not None:
+                await on_progress(f"template {name}@{digest[:16]}: uploading to object storage")
+            published = await template_objects.publish(objects, self.keys, name, digest, info.spec, stream)
+        log.info("template.published", template=f"{name}@{digest[:16]}", key=published.stream_key)
+        return published
 
     async def _receive(self, spec: dict[str, Any], digest: str, stream: Path, emit: Progress) -> TemplateInfo:
         final = self.pool.template_path(spec["name"], digest)
@@ -417,11 +489,6 @@ class TemplateStore:
         # The manifest goes first: from then on nobody treats the template as ready.
         _manifest_path(final).unlink(missing_ok=True)
         await self.pool.delete_subvolume(final)
-
-
-def template_key(name: str, digest: str) -> str:
-    """Where a template's send stream lives in object storage."""
-    return f"templates/{name}-{digest}.btrfs.zst"
 
 
 async def _quiet(line: str) -> None:

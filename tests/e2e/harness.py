@@ -211,6 +211,9 @@ class NodeAgent:
         self.token = secrets.token_urlsafe(32)
         token_file = _private_file(self.data_dir / "node.token", self.token)
         key_file = _private_file(self.data_dir / "admin.key", server.admin_key)
+        # The deployment's manifest key, which every node sharing the object store holds.
+        manifest_key = server.data_dir / "manifest.key"
+        sealing = ["--manifest-key-file", str(manifest_key)] if manifest_key.exists() else []
         log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
         # Run as ``-m space.cli.main`` like the all-in-one node, so _node_agent_running finds it.
         self.proc = subprocess.Popen(
@@ -218,7 +221,7 @@ class NodeAgent:
              "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
              "--token-file", str(token_file), "--node-id", self.node_id,
              "--cache-dir", str(self.cache_dir), "--pool-size-gb", "16",
-             "--object-store-url", self.object_store_url,
+             "--object-store-url", self.object_store_url, *sealing,
              "--register", server.url, "--api-key-file", str(key_file)],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=server_environment(self.env),
         )

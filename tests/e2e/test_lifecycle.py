@@ -145,7 +145,9 @@ def test_suspend_uploads_then_restore_brings_files_and_processes_back(api: httpx
     assert snap["restorable"] and snap["location"] == ["object_store"]
     manifest = server.data_dir / "objects" / f"tenants/default/sandboxes/{sid}/snapshots/{snap['id']}/manifest.json"
     assert manifest.exists(), list((server.data_dir / "objects").rglob("*"))[:20]
-    names = {a["name"] for a in json.loads(manifest.read_text())["artifacts"]}
+    doc = json.loads(manifest.read_text())
+    assert doc["format"] == 2 and doc["mac"]["alg"] == "hmac-sha256", doc  # sealed with the deployment's key
+    names = {a["name"] for a in doc["body"]["artifacts"]}
     assert "rootfs.btrfs.zst" in names and any(n.startswith("checkpoint/") for n in names)
     act(api, sid, "restore")
     assert state(api, sid) == "running"
@@ -166,7 +168,7 @@ def test_suspend_without_memory_keeps_files_and_boots_afresh(api: httpx.Client, 
     snap = api.get(f"/v1/snapshots/{sb['snapshot_id']}").json()
     assert snap["kind"] == "disk" and snap["restorable"]
     manifest = server.data_dir / "objects" / f"tenants/default/sandboxes/{sid}/snapshots/{snap['id']}/manifest.json"
-    names = {a["name"] for a in json.loads(manifest.read_text())["artifacts"]}
+    names = {a["name"] for a in json.loads(manifest.read_text())["body"]["artifacts"]}
     assert "rootfs.btrfs.zst" in names and not any(n.startswith("checkpoint/") for n in names)
     act(api, sid, "restore")
     assert sh(api, sid, "cat /home/user/kept") == "kept\n"

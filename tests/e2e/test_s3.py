@@ -4,6 +4,7 @@ bucket, and the restored sandbox has its files and its running process back."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -95,11 +96,16 @@ def test_suspend_to_s3_and_restore_brings_files_and_processes_back(s3: S3, s3_se
             keys = set(s3.keys(where))
             assert where + "manifest.json" in keys and where + "rootfs.btrfs.zst" in keys, sorted(keys)
             manifest = json.loads(s3.read(where + "manifest.json"))
-            names = {a["name"] for a in manifest["artifacts"]}
+            assert manifest["format"] == 2 and manifest["mac"]["alg"] == "hmac-sha256", manifest
+            names = {a["name"] for a in manifest["body"]["artifacts"]}
             assert "rootfs.btrfs.zst" in names and any(n.startswith("checkpoint/") for n in names), names
             assert {where + n for n in names} <= keys
-            # The template went too, so that any node can materialize it.
-            assert any(k.startswith(f"{PREFIX}/templates/base-") for k in s3.keys(f"{PREFIX}/templates/"))
+            # The template went too, so that any node can materialize it: its stream named by the
+            # hash of its bytes, which the snapshot's manifest names.
+            stream = manifest["body"]["meta"]["template"]["stream"]["sha256"]
+            key = next(k for k in s3.keys(f"{PREFIX}/templates/") if k.startswith(f"{PREFIX}/templates/base-")
+                       and k.endswith(f"-{stream}.btrfs.zst"))
+            assert hashlib.sha256(s3.read(key)).hexdigest() == stream
             assert not (s3_server.data_dir / "objects").exists()
 
             act(api, sid, "restore")

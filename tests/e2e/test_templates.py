@@ -9,6 +9,7 @@ save``) carries its files into new sandboxes, and its stream is in the object st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -188,9 +189,14 @@ def test_a_sandbox_saved_as_a_template_carries_its_files(server: Server, api: ht
         new = create_sandbox(api, template="mytpl")
         assert sh(api, new, "cat /home/user/note.txt") == "saved-state\n"
         assert sh(api, new, "whoami").strip() == "user"
-        # Its stream is in the object store: other nodes download it (it cannot be rebuilt).
-        stream = server.data_dir / "objects" / "templates" / f"mytpl-{digest}.btrfs.zst"
-        assert stream.stat().st_size > 0
+        # Its stream is in the object store, named by the hash of its bytes, with a sealed manifest:
+        # other nodes download it (it cannot be rebuilt).
+        streams = list((server.data_dir / "objects" / "templates").glob(f"mytpl-{digest}-*.btrfs.zst"))
+        assert len(streams) == 1 and streams[0].stat().st_size > 0, streams
+        sha = streams[0].name.removesuffix(".btrfs.zst").rsplit("-", 1)[1]
+        assert hashlib.sha256(streams[0].read_bytes()).hexdigest() == sha
+        sealed = json.loads((server.data_dir / "objects" / "templates" / f"mytpl-{digest}.json").read_text())
+        assert sealed["kind"] == "template" and sealed["body"]["stream"]["sha256"] == sha
         manifest = next((server.data_dir / "pool" / "templates").glob("mytpl@*.json"))
         spec = json.loads(manifest.read_text())["spec"]
         assert spec["sandbox"] == src and spec["from_snapshot"].startswith("snap")

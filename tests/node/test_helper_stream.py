@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from space import objauth
 from space.errors import Conflict, InvalidRequest, NotFound, RuntimeFailure, SnapshotCorrupt
 from space.node import artifacts, shipping, snapshots
 from space.node.helper.backend import InProcess
@@ -30,6 +31,8 @@ from tests.node.poolkit import PoolFactory
 from tests.waiting import await_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]
+
+KEYS = objauth.ManifestKeys([objauth.generate_key()])
 
 
 @pytest.fixture
@@ -355,8 +358,9 @@ async def test_a_shipped_snapshot_is_a_delta_that_lands_on_another_node(
             os.close(fd)
         await shipping.receive_compressed(other, stream, other.root / "templates", template.name)
 
-        shipped = await shipping.upload(store, "ship/test", btrfs_pool, snap, template, {})
-        got = await shipping.download(store, "ship/test", other, sid, snap_id)
+        bound = artifacts.snapshot_binding(tenant="t", sandbox_id=sid, snapshot_id=snap_id, prefix="ship/test")
+        shipped = await shipping.upload(store, "ship/test", btrfs_pool, snap, template, {}, keys=KEYS, binding=bound)
+        got = await shipping.download(store, "ship/test", other, sid, snap_id, keys=KEYS, binding=bound)
 
         rootfs_bytes = next(a["size"] for a in shipped["artifacts"] if a["name"] == shipping.ROOTFS_ARTIFACT)
         assert rootfs_bytes < 64 * 1024  # a delta: the template's 256 KiB of noise is not in it
@@ -387,11 +391,13 @@ async def test_a_snapshot_whose_stream_is_not_its_rootfs_is_corrupt_and_leaves_n
         os.close(fd)
     snap = {"id": snap_id, "sandbox_id": "elsewhere", "kind": "disk", "created_at": 1.0, "template": "t",
             "template_digest": "0" * 64, "cpu": 1.0, "memory_mb": 256, "env": {}, "user": None}
+    bound = artifacts.snapshot_binding(tenant="t", sandbox_id=sid, snapshot_id=snap_id, prefix="ship/evil")
     await artifacts.upload_snapshot(store, "ship/evil", [artifacts.Artifact(name=shipping.ROOTFS_ARTIFACT,
-                                                                            path=raw)], {"snapshot": snap})
+                                                                            path=raw)], {"snapshot": snap},
+                                    keys=KEYS, binding=bound)
 
     with pytest.raises(SnapshotCorrupt):
-        await shipping.download(store, "ship/evil", btrfs_pool, sid, snap_id)
+        await shipping.download(store, "ship/evil", btrfs_pool, sid, snap_id, keys=KEYS, binding=bound)
 
     assert not snapshots.snapshot_dir(btrfs_pool, sid, snap_id).exists()
     assert not (btrfs_pool.root / "sandboxes" / sid / source.name).exists()
