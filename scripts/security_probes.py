@@ -3,6 +3,7 @@
 README's security table.
 
     scripts/security_probes.py            list them: test, what it tried (markdown)
+    scripts/security_probes.py --grouped  one row per probe test, with its number of cases
     scripts/security_probes.py --run      run them too, and say how many reached (failed)
 
 A probe attacks from inside a sandbox and passes when it reached nothing, so "reached" is the
@@ -44,6 +45,7 @@ class _Probes:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="store_true", help="run the probes, not only list them")
+    ap.add_argument("--grouped", action="store_true", help="one row per probe test (its cases counted)")
     ap.add_argument("pytest_args", nargs="*", help="further pytest arguments")
     args = ap.parse_args()
     probes = _Probes()
@@ -52,16 +54,24 @@ def main() -> int:
         argv += ["--collect-only", "-q"]
     code = pytest.main(argv, plugins=[probes])
     print()
-    print("| probe | what it tried | outcome |" if args.run else "| probe | what it tried |")
-    print("|---|---|---|" if args.run else "|---|---|")
-    for nodeid, tried in sorted(probes.tried.items()):
-        name = nodeid.removeprefix("tests/security/")
+    rows: dict[str, list[str]] = {}
+    for nodeid in sorted(probes.tried):
+        key = nodeid.split("[", 1)[0] if args.grouped else nodeid
+        rows.setdefault(key, []).append(nodeid)
+    cols = ["probe", *(["cases"] if args.grouped else []), "what it tried", *(["outcome"] if args.run else [])]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for key, ids in rows.items():
+        cells = [f"`{key.removeprefix('tests/security/')}`"]
+        if args.grouped:
+            cells.append(str(len(ids)))
+        cells.append(probes.tried[ids[0]])
         if args.run:
-            outcome = probes.outcome.get(nodeid, "not run")
-            shown = {"passed": "reached nothing", "failed": "**reached**"}.get(outcome, outcome)
-            print(f"| `{name}` | {tried} | {shown} |")
-        else:
-            print(f"| `{name}` | {tried} |")
+            outcomes = [probes.outcome.get(i, "not run") for i in ids]
+            failed = sum(1 for o in outcomes if o == "failed")
+            cells.append("**reached**" if failed else "reached nothing" if all(o == "passed" for o in outcomes)
+                         else ", ".join(sorted(set(outcomes))))
+        print("| " + " | ".join(cells) + " |")
     reached = sum(1 for o in probes.outcome.values() if o == "failed")
     print(f"\n{len(probes.tried)} probes" + (f", {reached} reached" if args.run else ""))
     return int(code) if args.run else 0
