@@ -1,6 +1,6 @@
 """a sandbox's token nonce: what its E2B access tokens are made with (rotated on demand and on delete)
 
-Revision ID: e2b_0001
+Revision ID: 0009
 Revises: 0008
 Create Date: 2026-12-02
 """
@@ -12,7 +12,7 @@ import secrets
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "e2b_0001"
+revision: str = "0009"
 down_revision: str | None = "0008"
 branch_labels: str | None = None
 depends_on: str | None = None

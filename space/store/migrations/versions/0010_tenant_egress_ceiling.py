@@ -1,7 +1,7 @@
 """the private ranges the operator opens to a tenant (its egress ceiling)
 
-Revision ID: egress_0001
-Revises: e2b_0001
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-12-01
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "egress_0001"
-down_revision: str | None = "e2b_0001"
+revision: str = "0010"
+down_revision: str | None = "0009"
 branch_labels: str | None = None
 depends_on: str | None = None
 

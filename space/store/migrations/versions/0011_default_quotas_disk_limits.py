@@ -5,8 +5,8 @@ A sandbox's disk limit (``sandboxes.disk_mb``); the largest one a tenant's sandb
 (``tenant_quotas.quota_set``): a tenant that never had them gets the defaults (the row of tenant
 ``*``). A row that already limits something had them set.
 
-Revision ID: quota_0001
-Revises: egress_0001
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-01
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "quota_0001"
-down_revision: str | None = "egress_0001"
+revision: str = "0011"
+down_revision: str | None = "0010"
 branch_labels: str | None = None
 depends_on: str | None = None
 
