@@ -23,6 +23,7 @@ Wire details beyond the brief (see also protocol.py's conventions):
   one command is written in arrival order. ``eof`` on a PTY sends VEOF (^D).
 - ``replay`` takes ``after_off`` (the offset after event ``after``) so a ``gap`` can say exactly how
   many bytes were lost; without it the count covers everything evicted when ``after`` is unknown.
+  With ``max_bytes`` it answers one page (``more: true`` when events are left for the next one).
 - ``list`` entries add ``out_bytes``, ``unacked`` and ``buffered_bytes``.
 - Exited commands' buffers share EXITED_BUFFERS; the oldest are trimmed (a replay then shows a gap).
 

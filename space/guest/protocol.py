@@ -71,7 +71,7 @@ def decode_lengths(prefix: bytes) -> tuple[int, int]:
 def decode_body(body: bytes, hlen: int) -> tuple[dict[str, Any], bytes]:
     try:
         header = json.loads(body[:hlen])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: valid JSON nested too deep
         raise ProtocolError(f"bad frame header: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("frame header is not an object")
