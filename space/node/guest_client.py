@@ -797,25 +797,28 @@ class GuestConnection:
                         args["after_off"] = last_off
                     replay = self.stream("replay", **args)
                     in_queue = False
-                    async for chunk, payload in replay:
-                        ev = chunk.get("ev")
-                        if ev is None or ev["seq"] <= last:
-                            continue
-                        if ev["kind"] == "gap":
-                            # Events and answers share one ordered channel: whatever the guest sent
-                            # before this replay is in our live queue by now, evicted there or not.
-                            if sub.items and sub.items[0][0]["seq"] <= last + 1:
-                                in_queue = True
-                                await replay.aclose()
-                                break
-                            last, last_off = ev["seq"], None
-                            yield ev, b""
-                            continue
-                        last = ev["seq"]
-                        yield ev, payload
-                        if ev["kind"] == "exit":
-                            return
-                        took(ev, payload, False)
+                    try:
+                        async for chunk, payload in replay:
+                            ev = chunk.get("ev")
+                            if ev is None or ev["seq"] <= last:
+                                continue
+                            if ev["kind"] == "gap":
+                                # Events and answers share one ordered channel: whatever the guest sent
+                                # before this replay is in our live queue by now, evicted there or not.
+                                if sub.items and sub.items[0][0]["seq"] <= last + 1:
+                                    in_queue = True
+                                    await replay.aclose()
+                                    break
+                                last, last_off = ev["seq"], None
+                                yield ev, b""
+                                continue
+                            last = ev["seq"]
+                            yield ev, payload
+                            if ev["kind"] == "exit":
+                                return
+                            took(ev, payload, False)
+                    finally:  # a consumer leaving mid-replay: what the page holds goes back
+                        await replay.aclose()
                     res = replay.result or {}
                     last_seq = res.get("last_seq")
                     if not in_queue and res.get("state") == "exited" and last >= (last_seq if _count(last_seq) else 0):

@@ -129,6 +129,21 @@ async def test_a_replay_flood_is_paged(monkeypatch: pytest.MonkeyPatch) -> None:
         assert budget(conn) == 0
 
 
+async def test_a_subscriber_leaving_mid_replay_gives_back_what_it_held() -> None:
+    """The replay page a departing subscriber had not read yet stayed queued (and counted) until the
+    guest answered, and for a guest that never answers, for as long as the connection lived."""
+    async with seam() as (conn, fake):
+        log = CommandLog(fake)
+        list(log.record(out_events("c1", 1_000, 1_000)))
+        fake.handlers["replay"] = lambda h: fake.flood(
+            ({"t": "chunk", "id": h["id"], "ev": ev}, p) for ev, p in log.events["c1"])  # and no answer
+        async with contextlib.aclosing(conn.events("c1")) as events:
+            await anext(events)
+            await settle(conn, fake)
+            assert conn.buffered > 0
+        assert conn.buffered == 0
+
+
 async def test_live_events_for_a_subscriber_that_does_not_read_are_bounded() -> None:
     """A guest that ignores acks and floods a command's output at a subscriber that does not read
     (its HTTP client stalled): bounded by count too (a flood of tiny events), and once the
