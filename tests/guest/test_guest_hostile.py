@@ -325,3 +325,24 @@ async def test_a_startup_helper_keeps_a_bounded_output() -> None:
             kept = mem.now()
         assert kept < SLACK + MiB, f"{kept / MiB:.1f} MiB kept of a helper's 60 MiB output"
         assert len(out) <= startup.MAX_HELPER_OUTPUT
+
+
+async def test_a_flood_of_tiny_frames_is_read_at_a_bounded_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest sending tiny frames as fast as it can is read at FRAME_RATE (made 6.4 frames/s here,
+    one batch of 64 per 10 s, no burst): the rest waits in the channel (and, through the shim, in the
+    guest), while another sandbox's channel on the same event loop is served as usual."""
+    monkeypatch.setattr(guest_client, "FRAME_RATE", 6.4, raising=False)
+    monkeypatch.setattr(guest_client, "FRAME_BURST", 0.0, raising=False)
+    async with seam() as (conn, fake), seam() as (other, other_fake):
+        log = CommandLog(fake)
+        log.events["c1"] = []
+        async with contextlib.aclosing(conn.events("c1")) as events:
+            first = asyncio.create_task(anext(events))
+            await await_replays(log, 1)
+            flooder = threading.Thread(target=fake.flood, args=(out_events("c1", 10_000, 16),), daemon=True)
+            flooder.start()
+            await first
+            for _ in range(10):
+                await settle(other, other_fake)
+            batch = guest_client.YIELD_EVERY * (16 + 512)
+            assert conn.buffered <= 4 * batch, f"{conn.buffered // (16 + 512)} events read already"
