@@ -346,3 +346,24 @@ async def test_a_flood_of_tiny_frames_is_read_at_a_bounded_rate(monkeypatch: pyt
                 await settle(other, other_fake)
             batch = guest_client.YIELD_EVERY * (16 + 512)
             assert conn.buffered <= 4 * batch, f"{conn.buffered // (16 + 512)} events read already"
+
+
+def test_garbage_is_skipped_without_a_python_step_per_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shim resyncs after garbage a guest wrote: that scan tried every ``{`` in Python (a guest
+    writing ``{`` at a few MB/s kept the shim, a host process outside the sandbox's cgroup, busy on a
+    core). Now only plausible frame starts get a Python check."""
+    from space.runtime.shim import complete_frames
+
+    checks = 0
+    real = protocol.decode_lengths
+
+    def counted(prefix: bytes) -> tuple[int, int]:
+        nonlocal checks
+        checks += 1
+        return real(prefix)
+
+    monkeypatch.setattr(protocol, "decode_lengths", counted)
+    good = protocol.encode({"t": "ev", "kind": "activity"})
+    buf = bytearray(b"{" * MiB + b"\xff\xff\xff\xf0" + bytes(range(256)) * 256 + good)
+    assert complete_frames(buf) == len(good) and bytes(buf) == good
+    assert checks < 100, f"{checks} interpreted checks for 1 MiB of garbage"
