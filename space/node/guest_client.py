@@ -139,7 +139,8 @@ def clean_event(h: Any, cid: str | None = None) -> Header | None:
     it is not an ``out``/``exit``/``gap`` event whose fields have the protocol's types."""
     if not isinstance(h, dict):
         return None
-    kind = _KINDS.get(h.get("kind"))  # type: ignore[arg-type]
+    k = h.get("kind")
+    kind = _KINDS.get(k) if isinstance(k, str) else None
     seq = h.get("seq")
     name = h.get("cmd")
     if kind is None or not _count(seq) or seq < 1 or not isinstance(name, str):
@@ -585,16 +586,18 @@ class GuestConnection:
         if t == "ev":
             if header.get("kind") in ("out", "exit"):
                 self._on_event(header, payload)
-        elif t == "chunk":
-            p = self._pending.get(header.get("id"))  # type: ignore[arg-type]
+            return
+        rid = header.get("id")
+        p = self._pending.get(rid) if type(rid) is int else None  # any JSON may stand in for an id
+        if t == "chunk":
             why = "unknown_request" if p is None else p.chunk(header, payload)
             if why is not None:
                 self._drop(why)
         elif t == "res":
-            p = self._pending.pop(header.get("id"), None)  # type: ignore[arg-type]
             if p is None:
                 self._drop("unknown_request")
             else:
+                del self._pending[header["id"]]
                 p.finish(header)
 
     def _drop(self, why: str) -> None:

@@ -251,6 +251,31 @@ async def test_a_header_nested_too_deep_is_skipped() -> None:
         assert not conn.closed
 
 
+async def test_fields_of_any_json_type_do_not_kill_the_reader() -> None:
+    """An id or a kind that is a list or an object (unhashable: a TypeError on lookup) killed the
+    reader, and with it every request of the sandbox."""
+    async with seam() as (conn, fake):
+        log = CommandLog(fake)
+        log.events["c1"] = []
+
+        def replay(h: Header) -> None:
+            log.replays += 1
+            fake.send({"t": "chunk", "id": h["id"], "ev": {"kind": ["out"], "cmd": "c1", "seq": 1}})
+            fake.reply(h, last_seq=0, state="running")
+
+        fake.handlers["replay"] = replay
+        async with contextlib.aclosing(conn.events("c1")) as events:
+            first = asyncio.create_task(anext(events))
+            await await_replays(log, 1)
+            fake.flood([({"t": "res", "id": [1], "ok": True}, b""), ({"t": "chunk", "id": {"a": 1}}, b""),
+                        ({"t": "ev", "kind": ["out"], "cmd": "c1", "seq": 1}, b""),
+                        ({"t": "ev", "kind": "out", "cmd": ["c1"], "seq": 1, "fd": 1, "off": 0}, b"")])
+            await settle(conn, fake)
+            assert not conn.closed
+            fake.send({"t": "ev", "kind": "exit", "cmd": "c1", "seq": 1, "exit_code": 0})
+            assert (await first)[0]["kind"] == "exit"
+
+
 async def test_events_handed_on_carry_only_the_protocol_fields() -> None:
     """What a subscriber gets is rebuilt from the protocol's fields with the protocol's types:
     junk keys are not passed on, and an event whose fields have the wrong types is dropped."""
