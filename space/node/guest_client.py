@@ -119,10 +119,14 @@ _KINDS = {"out": "out", "exit": "exit", "gap": "gap"}  # the interned names, not
 
 
 def _error(err: Any) -> errors.SpaceError:
+    """The error the guest's answer names: its code and message only (the daemon sends no more, and
+    the rest of a hostile answer is not passed on to whoever made the request)."""
     if not isinstance(err, dict):
-        return errors.Internal(f"malformed error from guest: {err!r}")
-    cls = errors.BY_CODE.get(str(err.get("code")), errors.Internal)
-    return errors.from_wire(cls.status, {"error": err})
+        return errors.Internal(f"malformed error from guest: {str(err)[:200]}")
+    code, message = err.get("code"), err.get("message")
+    cls = errors.BY_CODE.get(code, errors.Internal) if isinstance(code, str) else errors.Internal
+    text = message[:2000] if isinstance(message, str) else f"malformed error from guest: {str(err)[:200]}"
+    return errors.from_wire(cls.status, {"error": {"code": cls.code, "message": text}})
 
 
 def _count(v: Any) -> TypeGuard[int]:

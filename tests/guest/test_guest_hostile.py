@@ -392,3 +392,14 @@ def test_garbage_is_skipped_without_a_python_step_per_byte(monkeypatch: pytest.M
     buf = bytearray(b"{" * MiB + b"\xff\xff\xff\xf0" + bytes(range(256)) * 256 + good)
     assert complete_frames(buf) == len(good) and bytes(buf) == good
     assert checks < 100, f"{checks} interpreted checks for 1 MiB of garbage"
+
+
+async def test_an_error_answer_carries_only_its_code_and_message() -> None:
+    """The rest of a guest's error went into the exception (and on to the API's answer): ``allowed``
+    that was not a list made the request fail with a TypeError, and any field rode along."""
+    async with seam() as (conn, fake):
+        fake.handlers["activity"] = lambda h: fake.send({"t": "res", "id": h["id"], "ok": False, "error": {
+            "code": "invalid_state", "message": "no", "allowed": 5, "junk": "y" * 50_000}})
+        with pytest.raises(errors.InvalidState) as caught:
+            await conn.request("activity")
+        assert caught.value.to_wire()["error"].keys() <= {"code", "message", "state", "allowed"}
