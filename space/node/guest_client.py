@@ -23,7 +23,8 @@ sends takes the connection, the node agent or other sandboxes' channels down:
   never ends costs one frame). A header that does not parse, or nests past the parser's recursion
   limit, is skipped. Events are rebuilt from the protocol's fields with the protocol's types
   (:func:`clean_event`): nothing else in them is passed on, and an event that does not fit is dropped.
-- Ids: answers and chunks for requests that are not pending here are dropped. Events are kept only
+- Ids: answers and chunks for requests that are not pending here (or whose id is not an int) are
+  dropped; an error answer becomes the error its code names, with its message only. Events are kept only
   for commands this connection tracks -- started by its own ``exec`` (for the attach grace) or with
   a subscriber (an :meth:`~GuestConnection.events` call); an event naming any other id is dropped,
   acked without keeping state (at ack boundaries, so commands nobody watches run on), and never
