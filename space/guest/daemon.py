@@ -23,6 +23,7 @@ Wire details beyond the brief (see also protocol.py's conventions):
   one command is written in arrival order. ``eof`` on a PTY sends VEOF (^D).
 - ``replay`` takes ``after_off`` (the offset after event ``after``) so a ``gap`` can say exactly how
   many bytes were lost; without it the count covers everything evicted when ``after`` is unknown.
+  With ``max_bytes`` it answers one page (``more: true`` when events are left for the next one).
 - ``list`` entries add ``out_bytes``, ``unacked`` and ``buffered_bytes``.
 - Exited commands' buffers share EXITED_BUFFERS; the oldest are trimmed (a replay then shows a gap).
 
@@ -303,7 +304,32 @@ _INLINE = frozenset({"hello", "activity", "list", "signal", "resize", "forget", 
                      "watch.list"})
 
 
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
+def reset_inherited_signals() -> None:
+    """Give commands default signals, whatever this daemon inherited. A signal ignored by our parent
+    stays ignored across exec (``nohup``, ``cmd &`` in a non-interactive shell, CI runners), and so
+    does a blocked one: every command would then shrug off SIGINT (or never see a blocked SIGTERM).
+    Unblock everything, and ignore what we inherited as ignored with a handler that does nothing:
+    a handler, unlike SIG_IGN, is reset to the default in every child at exec. (SIGPIPE and SIGXFSZ
+    are Python's own, and subprocess restores them.) ``_signal``, not ``signal``: no enum at boot."""
+    import _signal  # type: ignore[import-not-found]  # no stubs; the same functions as signal
+
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    for sig in _signal.valid_signals():
+        if sig in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGPIPE, _signal.SIGXFSZ):
+            continue
+        try:
+            if _signal.getsignal(sig) == _signal.SIG_IGN:
+                _signal.signal(sig, _ignore)
+        except (OSError, ValueError):  # not catchable here (e.g. the runtime's reserved ones)
+            pass
+
+
 def main() -> None:
+    reset_inherited_signals()  # before any thread: threads inherit the mask of their creator
     d = Daemon()
     d.announce()
     if os.getpid() != 1:

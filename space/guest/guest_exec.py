@@ -7,11 +7,11 @@ import time
 
 if __package__:
     from .guest_base import GuestError, arg, close_fd, norm_path
-    from .guest_procs import Command, ProcessTable
+    from .guest_procs import EVENT_OVERHEAD, Command, ProcessTable
     from .guest_users import DEFAULT_PATH, resolve_user, self_user, set_ctty, spawn_argv
 else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
     from guest_base import GuestError, arg, close_fd, norm_path  # type: ignore[no-redef, import-not-found]
-    from guest_procs import Command, ProcessTable  # type: ignore[no-redef, import-not-found]
+    from guest_procs import EVENT_OVERHEAD, Command, ProcessTable  # type: ignore[no-redef, import-not-found]
     from guest_users import DEFAULT_PATH, resolve_user, self_user, set_ctty, spawn_argv  # type: ignore[no-redef, import-not-found]
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
@@ -225,11 +225,22 @@ def op_forget(d: ProcessTable, rid: Any, h: Header, payload: bytes) -> Header:
 
 
 def op_replay(d: ProcessTable, rid: Any, h: Header, payload: bytes) -> Header:
+    """Events after ``after``; with ``max_bytes``, only as many as fit (payload + EVENT_OVERHEAD
+    each, at least one) and ``more: true`` when some were left for the next request."""
     cmd = _command(d, h)
     after = arg(h, "after", int, 0)
     after_off = arg(h, "after_off", int)
+    window = arg(h, "max_bytes", int)
+    more = False
     with d.lock:
         events = [e for e in cmd.events if e[0]["seq"] > after]
+        if window is not None:
+            used = 0
+            for i, (_, data) in enumerate(events):
+                used += len(data) + EVENT_OVERHEAD
+                if i and used > window:
+                    events, more = events[:i], True
+                    break
         last_seq = cmd.seq
         state = cmd.state()
         gap: Header | None = None
@@ -241,7 +252,7 @@ def op_replay(d: ProcessTable, rid: Any, h: Header, payload: bytes) -> Header:
         d.writer.send({"t": "chunk", "id": rid, "ev": gap})
     for header, data in events:
         d.writer.send({"t": "chunk", "id": rid, "ev": header}, data)
-    return {"last_seq": last_seq, "state": state}
+    return {"last_seq": last_seq, "state": state, **({"more": True} if more else {})}
 
 
 def _grow_pipe(fd: int) -> None:

@@ -374,7 +374,7 @@ class SandboxManager:
                 handle = await self.driver.restore(spec, image)
             t2 = time.perf_counter()
             sb.channel = str(handle.channel)
-            conn = await GuestConnection.connect(str(handle.channel), timeout=self.guest_timeout)
+            conn = await GuestConnection.connect(str(handle.channel), timeout=self.guest_timeout, label=sb.id)
             self._guests[sb.id] = conn
             t_guest = time.perf_counter()
             if image is None:  # from memory, the start command is already running
@@ -485,7 +485,7 @@ class SandboxManager:
             await self.check_alive(sb, settle=3.0)
             raise Unavailable(f"sandbox {sb.id}'s guest channel is gone")
         try:
-            conn = await GuestConnection.connect(sb.channel, timeout=self.guest_timeout)
+            conn = await GuestConnection.connect(sb.channel, timeout=self.guest_timeout, label=sandbox_id)
         except SpaceError:
             await self.check_alive(sb, settle=3.0)
             raise

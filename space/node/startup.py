@@ -27,6 +27,8 @@ START_LOG: Final = "/var/log/space-start.log"
 DEFAULT_TIMEOUT: Final = 30.0
 #: Extra time the node gives the guest to report the probe's end after its own kill timer.
 GRACE: Final = 5.0
+#: Output of a helper command the node keeps (its last bytes): the guest decides how much it sends.
+MAX_HELPER_OUTPUT: Final = 64 * 1024
 
 _PREPARE = 'f="$1"; u="$2"; : >> "$f"; if [ -n "$u" ]; then chown "$u" "$f" 2>/dev/null || true; fi'
 
@@ -148,7 +150,8 @@ async def _exit_of(conn: GuestConnection, cid: str) -> tuple[int | None, Any]:
 
 
 async def _run(conn: GuestConnection, argv: list[str], *, timeout: float) -> tuple[int | None, bytes]:
-    """Run a short helper command as the guest's own user (root); its exit code and stdout."""
+    """Run a short helper command as the guest's own user (root); its exit code and the last
+    MAX_HELPER_OUTPUT bytes of its stdout."""
     cid = f"startup-{secrets.token_hex(4)}"
     await conn.request("exec", cmd=cid, argv=argv, kill_after=timeout)
     out = bytearray()
@@ -157,6 +160,8 @@ async def _run(conn: GuestConnection, argv: list[str], *, timeout: float) -> tup
         async for ev, payload in events:
             if ev.get("kind") == "out" and ev.get("fd", 1) == 1:
                 out += payload
+                if len(out) > MAX_HELPER_OUTPUT:
+                    del out[:-MAX_HELPER_OUTPUT]
             elif ev.get("kind") == "exit":
                 code = ev.get("exit_code")
                 break

@@ -43,8 +43,9 @@ def watch_router(manager: SandboxManager) -> APIRouter:
         """The events since the last poll (drained), ``overflowed`` if some were lost in between."""
         conn = await manager.guest(sandbox_id)
         res = await conn.request("watch.poll", watcher=watcher_id, max=limit)
-        return {"events": res.get("events", []), "overflowed": bool(res.get("overflowed")),
-                "pending": int(res.get("pending", 0))}
+        events, pending = res.get("events"), res.get("pending")  # the guest's word: checked
+        return {"events": events if isinstance(events, list) else [], "overflowed": res.get("overflowed") is True,
+                "pending": pending if type(pending) is int and pending >= 0 else 0}
 
     @r.delete("/sandboxes/{sandbox_id}/watchers/{watcher_id}", status_code=204)
     async def remove_watcher(sandbox_id: str, watcher_id: str) -> Response:

@@ -12,6 +12,10 @@ One thread, one selector, no blocking I/O: reading the guest never waits for a w
 (the guest may answer a request while we still have frames for it; blocking here could deadlock).
 Reads from the guest stop while the client's outgoing buffer is full, and reads from the client stop
 while the guest's is, so a slow side backs up into its peer instead of into this process's memory.
+The guest is not trusted (root inside the sandbox can write anything to the channel), and nothing it
+writes grows this process: a partial frame is at most ``protocol.MAX_FRAME`` bytes (a longer length
+is garbage, skipped to the next plausible frame), frames for the client at most CLIENT_BUFFER plus
+one read, and the log of skipped garbage GARBAGE_LINES lines.
 Exits, removing its socket and pidfile, when the guest's stdout ends. Standard library only, and
 little of it: one runs per sandbox.
 """
@@ -42,6 +46,20 @@ def _log(msg: str) -> None:
         pass
 
 
+#: Garbage the shim reports line by line; past that only the total, on exit. The guest decides how
+#: much garbage there is, and it must not fill the node's disk through the shim's log.
+GARBAGE_LINES = 100
+_garbage = {"reports": 0, "bytes": 0}
+
+
+def _garbage_dropped(n: int, why: object) -> None:
+    _garbage["reports"] += 1
+    _garbage["bytes"] += n
+    if _garbage["reports"] <= GARBAGE_LINES:
+        last = " (further drops are only counted)" if _garbage["reports"] == GARBAGE_LINES else ""
+        _log(f"dropping {n} bytes that are not a frame ({why}){last}")
+
+
 def _grow_pipe(fd: int) -> None:
     """Roomier pipes: the guest writes (and reads) more per wakeup, which is what costs under gVisor."""
     try:
@@ -60,7 +78,7 @@ def complete_frames(buf: bytearray) -> int:
             rest, _ = protocol.decode_lengths(bytes(buf[pos : pos + 8]))
         except protocol.ProtocolError as exc:
             skip = protocol.resync(buf, pos + 1)
-            _log(f"dropping {skip - pos} bytes that are not a frame ({exc})")
+            _garbage_dropped(skip - pos, exc)
             del buf[pos:skip]
             continue
         if len(buf) - pos < 8 + rest:
@@ -277,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(pidfile + ".tmp", pidfile)
         shim.run()
         shim.flush_out()
+        if _garbage["reports"] > GARBAGE_LINES:
+            _log(f"dropped {_garbage['bytes']} bytes that were not frames in {_garbage['reports']} places")
         _log("guest stdout ended; exiting")
     finally:
         shim.close()

@@ -67,14 +67,29 @@ class _Channel:
             _wait(self.shim, 10)
 
 
-class HostGuest:
-    """daemon.py as a plain child process of the test (not PID 1), stdio pipes held by the shim."""
+#: Starts the daemon the way a parent that ignores or blocks signals would (``nohup``, ``cmd &`` in a
+#: non-interactive shell, CI runners): dispositions set to SIG_IGN and the signal mask survive exec.
+_INHERIT_SIGNALS = (
+    "import os, signal, sys; ignore, block = sys.argv[1], sys.argv[2]\n"
+    "for s in filter(None, ignore.split(',')): signal.signal(int(s), signal.SIG_IGN)\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, [int(s) for s in filter(None, block.split(','))])\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
+)
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+
+class HostGuest:
+    """daemon.py as a plain child process of the test (not PID 1), stdio pipes held by the shim.
+
+    ``ignored`` / ``blocked``: signals the daemon inherits as ignored / blocked from its parent."""
+
+    def __init__(self, env: dict[str, str] | None = None, *, ignored: tuple[int, ...] = (),
+                 blocked: tuple[int, ...] = ()) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="guestd-"))
         self.chan = _Channel(self.workdir)
         self.daemon: subprocess.Popen[bytes] | None = None
         self.env = {**os.environ, **(env or {})}
+        self.ignored = ignored
+        self.blocked = blocked
 
     @property
     def socket(self) -> str:
@@ -83,8 +98,12 @@ class HostGuest:
     def start(self) -> HostGuest:
         try:
             with open(self.workdir / "guest.log", "ab") as log:
+                argv = [sys.executable, "-I", "-S", str(DAEMON)]
+                if self.ignored or self.blocked:
+                    argv = [sys.executable, "-c", _INHERIT_SIGNALS, ",".join(map(str, self.ignored)),
+                            ",".join(map(str, self.blocked)), *argv[1:]]
                 self.daemon = subprocess.Popen(
-                    [sys.executable, "-I", "-S", str(DAEMON)], stdin=self.chan.to_r,
+                    argv, stdin=self.chan.to_r,
                     stdout=self.chan.from_w, stderr=log, cwd="/", env=self.env)
             self.chan.start_shim()
         finally:

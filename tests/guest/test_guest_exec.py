@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 from typing import Any
 
 import pytest
 
 from space import errors
 from space.node.guest_client import GuestConnection
+from tests.guest.guest_harness import HostGuest, connected
 
 _ids = itertools.count(1)
 
@@ -92,6 +94,33 @@ async def test_signal_by_name_and_number(conn: GuestConnection) -> None:
         await conn.request("signal", cmd=c, signal="NOPE")
     with pytest.raises(errors.InvalidState):
         await conn.request("signal", cmd=c, signal="TERM")
+
+
+async def test_commands_get_default_signals_whatever_the_daemon_inherited() -> None:
+    """The cause of test_signal_by_name_and_number's one timeout: started from a parent that ignores
+    SIGINT (``make test &`` in a non-interactive shell ignores SIGINT and SIGQUIT, as do nohup and
+    many CI runners), the daemon handed that to every command, so ``sleep 60`` shrugged off
+    SIGINT and the test waited out its 30 s. Commands start with every signal at its default
+    and none blocked, however the daemon itself was started."""
+    g = HostGuest(ignored=(signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1),
+                  blocked=(signal.SIGTERM, signal.SIGUSR2)).start()
+    try:
+        async with connected(g.socket, timeout=15) as c:
+            _, out, _ = await run(c, argv=["grep", "-E", "^Sig(Ign|Blk):", "/proc/self/status"])
+            masks = dict(line.split(":\t") for line in out.decode().splitlines())
+            assert masks == {"SigIgn": "0000000000000000", "SigBlk": "0000000000000000"}, masks
+            for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+                c_id = cid()
+                await c.request("exec", cmd=c_id, argv=["sleep", "60"])
+                await c.request("signal", cmd=c_id, signal=int(sig))
+                evs, _, _ = await collect(c, c_id)
+                assert evs[-1]["signal"] == sig, (sig, evs[-1])
+            assert g.daemon is not None
+            for sig in (signal.SIGINT, signal.SIGHUP):  # the daemon itself still ignores them
+                os.kill(g.daemon.pid, sig)
+            assert (await c.request("hello"))["version"] == 1
+    finally:
+        g.stop()
 
 
 async def test_pty_output_and_resize(conn: GuestConnection) -> None:
