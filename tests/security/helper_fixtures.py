@@ -10,7 +10,9 @@ name is not fooled by the swap; one that hands it a name is.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +37,23 @@ def helper_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolFacto
         yield factory
     finally:
         factory.close()
+
+
+@pytest.fixture
+def agent_pools() -> Iterator[PoolFactory]:
+    """Pools whose parent directories other users may pass through (as the node's data dir is to
+    its agent): what an unprivileged process can do there is then up to the pool's own modes."""
+    reason = btrfs_unavailable()
+    if reason:
+        pytest.skip(reason)
+    base = Path(tempfile.mkdtemp(prefix="helper-agent-pools-"))
+    os.chmod(base, 0o711)
+    factory = PoolFactory(base)
+    try:
+        yield factory
+    finally:
+        factory.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,8 @@ class HelperProcess:
         argv.append("--allow-root")
         if c.gateway is not None:
             argv += ["--gateway-config", json.dumps(c.gateway.to_json())]
+        for mirror in c.mirrors:
+            argv += ["--mirror", mirror]
         return argv
 
     async def start(self, *, timeout: float = 30.0) -> HelperClient:
