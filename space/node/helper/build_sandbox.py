@@ -15,7 +15,12 @@ Network: none (``--network=none``), unless the caller names one of the node's sa
 by index. Then the command runs in that network namespace exactly like a sandbox (gVisor's own
 network stack on the namespace's ``eth0``, ``/etc/resolv.conf`` pointing at the node's gateway):
 its only way out is the egress gateway, where the agent registered the build's address with the
-build egress policy (``space.node.build_net``).
+build egress policy (``space.node.build_net``). The gateway passes TLS through untouched, so what
+the build meets upstream is what the host meets (a network that intercepts TLS, say): the host's
+trust store is offered read-only at :data:`HOST_CA_IN_BUILD` (through ``SSL_CERT_FILE``,
+``PIP_CERT``, ``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE`` and ``GIT_SSL_CAINFO``), leaving the
+template's own trust store as its packages made it. (runsc's gofer makes a bind mount's mount point
+in the tree itself: it is in ``/dev``, which every sandbox covers with a tmpfs, and removed after.)
 
 Inside, the command is root with the sandbox capabilities plus ``CAP_SYS_ADMIN`` (debootstrap's
 second stage remounts ``/proc``): the capabilities of gVisor's kernel, not of the host's.
@@ -29,15 +34,17 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from space.errors import NotFound, Timeout
+from space.errors import Timeout
 from space.node import privileged
 from space.node.helper import verbs_net
+from space.node.helper.confine import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 from space.node.helper.verbs import HelperContext
 from space.node.helper.verbs_net import NodeNet
 from space.node.helper.verbs_runtime import LAUNCHER, Runsc, kill_strays
@@ -51,6 +58,10 @@ MEMORY_LIMIT = 4 << 30
 PIDS_LIMIT = 16384
 #: Environment every build command starts from (nothing of the helper's own environment).
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+#: The host's trust store, and where a networked build command finds it.
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+HOST_CA_IN_BUILD = "/dev/space-build-ca.crt"
+CA_ENV = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
 
 LineSink = Callable[[str], Awaitable[None]]
 
@@ -73,7 +84,7 @@ def new_container_id() -> str:
 
 
 def build_spec(cid: str, bundle: Path, argv: Sequence[str], env: Mapping[str, str], *, netns: Path | None,
-               resolv: Path | None) -> dict[str, Any]:
+               resolv: Path | None, host_ca: Path | None = None) -> dict[str, Any]:
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
@@ -87,6 +98,10 @@ def build_spec(cid: str, bundle: Path, argv: Sequence[str], env: Mapping[str, st
         # The resolver for this command only: the tree keeps its own file.
         mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": str(resolv),
                        "options": ["rbind", "ro"]})
+    if host_ca is not None:
+        mounts.append({"destination": HOST_CA_IN_BUILD, "type": "bind", "source": str(host_ca),
+                       "options": ["rbind", "ro"]})
+        env = {**{k: HOST_CA_IN_BUILD for k in CA_ENV}, **env}
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -119,25 +134,17 @@ async def run(ctx: HelperContext, work_fd: int, argv: Sequence[str], env: Mappin
     output to ``on_line`` and return its exit code. A timeout, a cancellation or a failure of the
     helper's own leaves no process, container, cgroup or bundle behind."""
     r = BuildRunsc(ctx, network=net is not None)
-    for d in (r.root, r.bundles):
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(d, 0o700)
     cid = new_container_id()
     bundle = r.bundles / cid
-    bundle.mkdir(mode=0o700)
     try:
-        (bundle / "rootfs").mkdir(mode=0o700)  # the mount point of the work tree (see LAUNCHER)
-        netns = resolv = None
+        netns = gateway_ip = None
         if net is not None:
             n = NodeNet(ctx)
             s = n.sandbox(net)
             netns = verbs_net.NETNS_DIR / s["netns"]
-            if not netns.exists():
-                raise NotFound(f"sandbox network {net} does not exist (net.create first)", index=net)
-            await verbs_net._prepare(s)  # runsc strips the address from the link it takes
-            resolv = bundle / "resolv.conf"
-            resolv.write_text(f"nameserver {n.gateway_ip(n.slot())}\noptions timeout:2 attempts:3\n")
-        (bundle / "config.json").write_text(json.dumps(build_spec(cid, bundle, argv, env, netns=netns, resolv=resolv)))
+            gateway_ip = n.gateway_ip(n.slot())
+            await verbs_net._prepare(s)  # runsc strips the address from the link it takes (and: it exists)
+        host_ca = await asyncio.to_thread(_write_bundle, r, bundle, cid, argv, env, netns, gateway_ip)
         launcher = [*LAUNCHER, str(work_fd), str(bundle), *r.cmd("run", "--bundle", str(bundle), cid)]
         started = asyncio.get_running_loop().time()
         try:
@@ -148,11 +155,51 @@ async def run(ctx: HelperContext, work_fd: int, argv: Sequence[str], env: Mappin
             # runsc starts the sandbox in sessions of its own: killing the launcher's process group
             # does not reach it. Whatever runsc left, by id, under the build root only.
             await asyncio.shield(_remove(r, cid))
+            if host_ca is not None:
+                _remove_mount_point(work_fd, HOST_CA_IN_BUILD)
         log.info("build.command", container=cid, argv0=argv[0], net=net, rc=rc,
                  seconds=round(asyncio.get_running_loop().time() - started, 2))
         return rc
     finally:
         shutil.rmtree(bundle, ignore_errors=True)
+
+
+def _remove_mount_point(tree: int, path: str) -> None:
+    """The empty file runsc's gofer made in the tree as a mount point, gone (resolved inside the
+    tree: its symlinks never lead out)."""
+    head, _, name = path.strip("/").rpartition("/")
+    try:
+        parent = openat2(tree, head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                         RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV)
+    except OSError:
+        return
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            os.unlink(name, dir_fd=parent)
+    except OSError:
+        pass
+    finally:
+        os.close(parent)
+
+
+def _write_bundle(r: BuildRunsc, bundle: Path, cid: str, argv: Sequence[str], env: Mapping[str, str],
+                  netns: Path | None, gateway_ip: str | None) -> Path | None:
+    """The bundle (root's alone): the work tree's mount point, the resolver of a networked command,
+    the spec; the host trust store the command gets (None: none)."""
+    for d in (r.root, r.bundles):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
+    bundle.mkdir(mode=0o700)
+    (bundle / "rootfs").mkdir(mode=0o700)  # the mount point of the work tree (see LAUNCHER)
+    resolv = host_ca = None
+    if netns is not None:
+        resolv = bundle / "resolv.conf"
+        resolv.write_text(f"nameserver {gateway_ip}\noptions timeout:2 attempts:3\n")
+        host_ca = HOST_CA if HOST_CA.is_file() else None
+    spec = build_spec(cid, bundle, argv, env, netns=netns, resolv=resolv, host_ca=host_ca)
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return host_ca
 
 
 async def _remove(r: BuildRunsc, cid: str) -> None:

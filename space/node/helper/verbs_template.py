@@ -49,7 +49,7 @@ from space.node.helper.build_scripts import (
     step_args_ok,
     step_command,
 )
-from space.node.helper.confine import RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, PoolRoot, openat2
+from space.node.helper.confine import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, PoolRoot, openat2
 from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.helper.verbs_net import MAX_INDEX
 from space.node.template_spec import _MODE, _PACKAGE, _SUITE
@@ -71,8 +71,6 @@ SCRIPT_CAP: Final = 600.0
 #: The extended attribute that marks a tree as a build this helper began (``trusted.*``: only a
 #: process with CAP_SYS_ADMIN in the host's namespace can read or write it).
 BUILD_XATTR: Final = "trusted.space.build"
-#: openat2: resolve as if the directory were ``/`` (<linux/openat2.h>).
-RESOLVE_IN_ROOT: Final = 0x10
 _IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 TAIL_LINES: Final = 40
