@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from space.errors import Conflict
 from space.node import rootfs_net
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
@@ -134,3 +135,27 @@ async def test_a_sandbox_dir_swapped_after_the_check_does_not_redirect_configure
         if sdir.is_symlink():
             sdir.unlink()
         (helper_pool.data_dir / "network.json").unlink()
+
+
+async def test_a_checkpoint_into_a_directory_the_agent_owns_is_refused(
+        helper_pool: Pool, sandbox: str, tmp_path: Path) -> None:
+    # A snapshot's image directory the helper once handed to the agent (as it does after every
+    # checkpoint), now holding the agent's symlink where root runsc writes the image.
+    image = helper_pool.sandbox_dir(sandbox) / "snapshots" / "snap-2" / "checkpoint"
+    image.mkdir(parents=True)
+    victim = tmp_path / "root-owned-file"
+    victim.write_text("root's own content\n")
+    os.symlink(victim, image / "checkpoint.img")
+    os.chown(image, AGENT_UID, -1)
+    runsc, _ = fake_runsc(tmp_path, ":")
+    iid = f"{sandbox}-fghij"
+    state = helper_pool.data_dir / "runsc" / f"{iid}_sandbox:{iid}.state"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text("{}")
+    try:
+        with pytest.raises(Conflict):
+            await helper(helper_pool, tmp_path, runsc).call(
+                "runtime.checkpoint", {"instance": iid, "sandbox": sandbox, "snapshot": "snap-2"})
+        assert victim.read_text() == "root's own content\n", "root runsc wrote through the agent's symlink"
+    finally:
+        state.unlink()

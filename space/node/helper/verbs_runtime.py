@@ -395,6 +395,11 @@ async def runtime_checkpoint(ctx: HelperContext, a: CheckpointArgs, call: Call) 
     finally:
         os.close(snap)
     try:
+        _check_fresh_image_dir(image, a.snapshot)
+    except BaseException:
+        os.close(image)
+        raise
+    try:
         try:
             await privileged.run(*r.cmd("checkpoint", "--leave-running", "--image-path", fd_path(image), a.instance),
                                  timeout=1800, pass_fds=(image,))
@@ -407,6 +412,23 @@ async def runtime_checkpoint(ctx: HelperContext, a: CheckpointArgs, call: Call) 
     finally:
         os.close(image)
     return {}
+
+
+def _check_fresh_image_dir(image: int, snapshot: str) -> None:
+    """runsc writes the image as root by name inside this directory: it must be root's and empty
+    (one the agent was given after an earlier checkpoint could hold its symlinks)."""
+    st = os.fstat(image)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise Conflict(f"the image directory of snapshot {snapshot} is not root's alone: a checkpoint goes into a "
+                       "fresh one", snapshot=snapshot)
+    fresh = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=image)
+    try:
+        left = os.listdir(fresh)
+    finally:
+        os.close(fresh)
+    if left:
+        raise Conflict(f"the image directory of snapshot {snapshot} is not empty", snapshot=snapshot,
+                       entries=sorted(left)[:5])
 
 
 def _give_image(ctx: HelperContext, image: int) -> None:
