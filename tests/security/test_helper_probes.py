@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from space.node.main import channel_dir_for
-from tests.e2e.harness import Server, create_sandbox, own_server, run
+from tests.e2e.harness import Server, create_sandbox, own_server, run, wait_operation
 
 pytestmark = pytest.mark.runtime
 
@@ -86,7 +86,14 @@ def test_a_setuid_binary_made_inside_gives_no_host_privilege(api: httpx.Client, 
     assert code == 0, err
     pool = server.data_dir / "pool"
     assert {"nosuid", "nodev"} <= mount_options(pool), mount_options(pool)
-    planted = pool / "sandboxes" / sandbox / "rootfs" / "usr" / "local" / "bin" / "suid-id"
+    # The running sandbox's gofer keeps the file it wrote open (exec: ETXTBSY): its disk snapshot
+    # holds the same file as a new inode.
+    r = api.post(f"/v1/sandboxes/{sandbox}/snapshots", json={"kind": "disk"})
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"])
+    assert op["status"] == "succeeded", op
+    planted = (pool / "sandboxes" / sandbox / "snapshots" / op["result"]["snapshot"] / "rootfs" / "usr" / "local"
+               / "bin" / "suid-id")
     st = planted.stat()
     assert st.st_uid == 0 and st.st_mode & 0o4000, "on the host the file is setuid-root (the mount must not honour it)"
     user = pwd.getpwnam("space-node")
@@ -119,6 +126,7 @@ def test_a_device_node_made_inside_opens_nothing_on_the_host(api: httpx.Client, 
 def test_the_mount_table_inside_shows_no_host_path(api: httpx.Client, server: Server, sandbox: str) -> None:
     code, out, err = as_root(api, sandbox, "cat /proc/self/mountinfo /proc/mounts /proc/1/mountinfo")
     assert code == 0, err
+    assert " /opt/space/guest " in out, out  # the control: this is the sandbox's table, guest mount and all
     for needle in [*host_secrets(server), "/dev/loop", "btrfs", "/var/lib", "/run/space"]:
         assert needle not in out, f"the sandbox's mount table names {needle!r}:\n{out}"
 
@@ -145,6 +153,7 @@ def test_proc_inside_shows_no_host_process(api: httpx.Client, server: Server, sa
 def test_proc_net_inside_shows_no_host_socket(api: httpx.Client, server: Server, sandbox: str) -> None:
     code, out, err = as_root(api, sandbox, "cat /proc/net/unix /proc/net/tcp /proc/net/tcp6 /proc/net/udp 2>&1")
     assert code == 0, err
+    assert out.startswith("Num") and "local_address" in out, out  # the control: the tables were read
     for needle in host_secrets(server):
         assert needle not in out, f"the sandbox's /proc/net names {needle!r}:\n{out}"
     listening_here = f":{server.port:04X} "
