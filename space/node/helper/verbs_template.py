@@ -169,7 +169,17 @@ def _begin(ctx: HelperContext, work: str, base: str | None) -> None:
         finally:
             if src is not None:
                 os.close(src)
+        _prune(pool)
     _BUILDS[work] = _Build(token, "empty" if base is None else "ready")
+
+
+def _prune(pool: PoolRoot) -> None:
+    """Forget the builds whose trees are gone (deleted by their caller): the record stays as small
+    as the number of builds in flight."""
+    for work in list(_BUILDS):
+        with pool.resolve(work) as r:
+            if r.lstat() is None:
+                del _BUILDS[work]
 
 
 @verb("template.begin", BeginArgs, cap=60)
