@@ -370,6 +370,9 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
+    from space.node.helper import build_sandbox  # root's code: teardown runs the verbs in-process
+
+    await build_sandbox.sweep(helper_context(settings, pool.root))  # a build cut short by the stop
     egress = make_egress(settings, priv)
     await egress.gateway.stop()
     await egress.network.teardown()
