@@ -148,3 +148,32 @@ async def test_a_build_step_runs_in_gvisor_not_on_the_host(
     assert seen["kernel"] != os.uname().release, f"the step ran on the host's kernel: {lines}"
     assert int(seen["pids"]) < 10, f"the step saw the host's processes: {lines}"
     assert seen["init"] != "systemd" and seen["init"] != "init", lines
+
+
+async def test_write_file_stays_in_the_tree_and_copies_only_a_regular_file(
+        priv: InProcess, helper_pool: Pool, base: TemplateInfo, work: Path, tmp_path: Path) -> None:
+    rel = f"tmp/{work.name}"
+    await priv.call("template.begin", {"work": rel, "base": f"templates/{base.path.name}"})
+    # The tree's author aimed a directory at a host path (absolute, as a symlink in a root is).
+    outside = tmp_path / "host-dir"
+    outside.mkdir()
+    os.symlink(str(outside), work / "opt" / "to-host")
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"payload\n")
+    fd = os.open(blob, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        # The symlink resolves inside the tree, where that directory does not exist.
+        with pytest.raises(InvalidPath):
+            await priv.call("template.write_file", {"work": rel, "dest": "/opt/to-host/x", "mode": "0644"},
+                            fds={"stdin": fd})
+    finally:
+        os.close(fd)
+    assert os.listdir(outside) == [], "root wrote through the tree's symlink onto the host"
+    r, w = os.pipe()
+    try:
+        with pytest.raises(InvalidRequest, match="regular file"):
+            await priv.call("template.write_file", {"work": rel, "dest": "/opt/y", "mode": "0644"},
+                            fds={"stdin": r})
+    finally:
+        os.close(r)
+        os.close(w)

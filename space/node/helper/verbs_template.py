@@ -367,7 +367,8 @@ def _write(tree: int, dest: str, mode: int, src: int) -> None:
         finally:
             os.close(out)
     except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENOENT):
+            # ENOENT: a symlink on the way that leads nowhere (inside the tree).
             raise InvalidPath(f"cannot write {dest}: a component is not a directory in the template",
                               dest=dest) from None
         raise RuntimeFailure(f"cannot write {dest} into the template: {os.strerror(exc.errno or 0)}",
@@ -382,6 +383,9 @@ async def template_write_file(ctx: HelperContext, args: WriteArgs, call: Call) -
     src = call.fds.get("stdin")
     if src is None:
         raise InvalidRequest("template.write_file needs the file passed as 'stdin'")
+    if not stat.S_ISREG(os.fstat(src).st_mode):
+        # A pipe could hold the copying thread forever (a timeout cancels the wait, not the read).
+        raise InvalidRequest("template.write_file copies a regular file, not a pipe or a device")
     with _exclusive(args.work):
         fd = await asyncio.to_thread(_open_work, ctx, args.work, "ready")
         try:
