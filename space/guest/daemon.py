@@ -48,7 +48,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 
 if __package__:
-    from . import protocol
+    from . import guest_ca, protocol
     from .guest_base import GuestError, log, norm_path, os_error
     from .guest_exec import OPS as EXEC_OPS
     from .guest_files import OPS as FS_OPS
@@ -57,6 +57,7 @@ if __package__:
     from .guest_watch import OPS as WATCH_OPS
 else:  # run as a script inside the sandbox: protocol.py and the guest_* modules sit beside this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import guest_ca  # type: ignore[no-redef, import-not-found]
     import protocol  # type: ignore[no-redef, import-not-found]
     from guest_base import GuestError, log, norm_path, os_error  # type: ignore[no-redef, import-not-found]
     from guest_exec import OPS as EXEC_OPS  # type: ignore[no-redef, import-not-found]
@@ -331,6 +332,14 @@ def reset_inherited_signals() -> None:
 def main() -> None:
     reset_inherited_signals()  # before any thread: threads inherit the mask of their creator
     d = Daemon()
+    if os.getpid() == 1:
+        # Before announcing: the first command already trusts the egress gateway's CA.
+        try:
+            outcome = guest_ca.install()
+        except OSError as exc:
+            outcome = f"failed: {exc}"
+        if outcome not in ("none", "present", "added", "created"):
+            log(f"egress CA not added to the system bundle ({outcome})")
     d.announce()
     if os.getpid() != 1:
         import signal

@@ -42,6 +42,7 @@ import structlog
 
 from space import childenv
 from space.errors import Unavailable
+from space.node import unixsock
 
 if TYPE_CHECKING:
     from space.node.helper.backend import Privileged
@@ -389,23 +390,11 @@ class GatewayProcess:
         return proc
 
     def _bind_control(self) -> socket.socket:
-        """The control socket, bound here (in the agent's directory) and listening: 0660, group
-        ``control_group``. Unix sockets need write permission to connect, so until the chmod only
-        the agent could."""
+        """The control socket, bound and listening at its place in the agent's directory: 0660,
+        group ``control_group``. Never chowned or chmodded by that name, which the agent could
+        have pointed anywhere meanwhile (:mod:`space.node.unixsock`)."""
         self.control.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.control.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(str(self.control))
-            if self.control_group is not None:
-                os.chown(self.control, -1, self.control_group)
-            os.chmod(self.control, 0o660)
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return unixsock.bind_listening(self.control, mode=0o660, gid=self.control_group, flags=0)
 
     def _prepare_dirs(self) -> None:
         """The gateway's directories exist, and are the gateway user's (its CA and journal files

@@ -20,6 +20,7 @@ import uvicorn
 
 from space import childenv
 from space import guest as guest_pkg
+from space.node import build_net
 from space.node.app import create_node_app
 from space.node.egress import Egress
 from space.node.gateway import GatewayHandle
@@ -97,6 +98,13 @@ class NodeSettings:
     #: The user the agent drops to once its root helper runs (``$SPACE_NODE_USER``; "root": keep
     #: root, with a warning). A missing user also keeps root, with a warning naming the fix.
     user: str = dataclasses.field(default_factory=lambda: os.environ.get("SPACE_NODE_USER", NODE_USER))
+    #: The Debian mirrors template builds may debootstrap from (``$SPACE_BUILD_MIRRORS``,
+    #: comma-separated; default http://deb.debian.org/debian): the root helper refuses any other.
+    build_mirrors: tuple[str, ...] = dataclasses.field(default_factory=build_net.build_mirrors)
+    #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
+    #: comma-separated; see space/node/build_net.py).
+    build_egress: tuple[str, ...] = dataclasses.field(
+        default_factory=lambda: build_net.env_list("SPACE_BUILD_EGRESS"))
     #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.
     gateway_hosts_file: Path | None = dataclasses.field(
         default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_GATEWAY_HOSTS_FILE")) else None)
@@ -237,6 +245,9 @@ async def build_node(settings: NodeSettings) -> Node:
                               keys=settings.manifest_keys if objects is not None else None)
     driver = GVisorDriver(priv, pool.root)
     egress = await start_egress(settings, priv) if settings.network else None
+    if egress is not None:
+        templates.build_net = build_net.BuildNetwork(egress, mirrors=settings.build_mirrors,
+                                                     extra=settings.build_egress)
     manager = SandboxManager(
         pool, templates, driver, guest_dir=ctx.guest, channel_dir=channel_dir_for(settings.data_dir),
         objects=objects, egress=egress, default_disk_mb=settings.sandbox_disk_mb,
@@ -272,7 +283,7 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                                 private_ceiling=settings.egress_ceiling)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
                          guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
-                         agent_uid=agent.uid if agent is not None else None)
+                         agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors)
 
 
 def make_egress(settings: NodeSettings, priv: Privileged) -> Egress:
@@ -388,6 +399,9 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
         await manager.delete(sb.id)
         n += 1
     await manager.close()
+    from space.node.helper import build_sandbox  # root's code: teardown runs the verbs in-process
+
+    await build_sandbox.sweep(helper_context(settings, pool.root))  # a build cut short by the stop
     egress = make_egress(settings, priv)
     await egress.gateway.stop()
     await egress.network.teardown()

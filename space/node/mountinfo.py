@@ -13,6 +13,8 @@ class Mount:
     target: str
     fstype: str
     source: str
+    #: The per-mount options (``ro``/``rw``, ``nosuid``, ``nodev``, ``noexec``, atime flags).
+    options: tuple[str, ...] = ()
 
 
 def _unescape(field: str) -> str:
@@ -24,5 +26,6 @@ def mounts() -> list[Mount]:
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
-        out.append(Mount(int(fields[0]), _unescape(fields[4]), tail[0], _unescape(tail[1])))
+        out.append(Mount(int(fields[0]), _unescape(fields[4]), tail[0], _unescape(tail[1]),
+                         tuple(fields[5].split(","))))
     return out

@@ -152,6 +152,24 @@ class Network:
             await self.priv.call("net.create", {"index": net.index})
         return net
 
+    async def lease(self) -> SandboxNet:
+        """A network of the node for something that is not a sandbox (a template build's steps),
+        until :meth:`release`; nothing is written to disk (a crash leaves a namespace no sandbox
+        owns, which :meth:`sweep` removes)."""
+        index = next((i for i in range(1, MAX_INDEX + 1) if i not in self._used), None)
+        if index is None:
+            raise RuntimeFailure(f"all {MAX_INDEX} sandbox networks of this node are in use")
+        self._used.add(index)
+        try:
+            return SandboxNet.from_json(await self.priv.call("net.create", {"index": index}))
+        except BaseException:
+            self._used.discard(index)
+            raise
+
+    async def release(self, net: SandboxNet) -> None:
+        await self.priv.call("net.remove", {"index": net.index})
+        self._used.discard(net.index)
+
     async def prepare(self, net: SandboxNet) -> None:
         """Address the namespace's ``eth0`` (again: runsc strips it from the link it takes)."""
         await self.priv.call("net.prepare", {"index": net.index})

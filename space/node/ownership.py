@@ -3,7 +3,11 @@
 The agent writes its own state: sandbox directories (``state.json``, ``net.json``, logs, shim pid
 files, downloads), template manifests, the warm pool's file, the host cache of template streams and
 the directory of its sockets. Subvolume roots (a sandbox's ``rootfs``, a template) stay as they are:
-their contents belong to the guest, and only the helper acts on them. The walk never follows a
+their contents belong to the guest, and only the helper acts on them. The pool's ``tmp/`` is the
+helper's (build work trees, receive staging; see ``space.node.helper.verbs_template``): root's,
+0750 with the agent's group (which may look, never write), and emptied at every start (whatever is
+there was left by a helper or an agent that died, and a tree the agent made while an older layout
+let it write there must never become a build). The walk never follows a
 symlink, never enters a subvolume or another filesystem and skips files with several links (a hard
 link could point anywhere on the filesystem). Idempotent: it runs at every start.
 """
@@ -20,7 +24,9 @@ log = structlog.get_logger(__name__)
 
 _SUBVOLUME_INO = 256
 #: The pool's plain areas; a sandbox's or template's subvolumes inside them are skipped.
-AGENT_AREAS = ("templates", "sandboxes", "tmp", "trash")
+AGENT_AREAS = ("templates", "sandboxes", "trash")
+#: The pool's area only root writes.
+HELPER_AREA = "tmp"
 #: The host cache's parts the agent writes (``debootstrap`` is the helper's).
 AGENT_CACHE = ("templates", "locks", "blobs")
 
@@ -84,8 +90,30 @@ def give_node_state(data_dir: Path, pool_root: Path, cache_dir: Path, uid: int, 
         (pool_root / area).mkdir(exist_ok=True)
         os.chmod(pool_root / area, 0o750)
         changed += _give_tree(pool_root / area, uid, gid)
+    reclaim_helper_area(pool_root, gid)
     cache_dir.mkdir(parents=True, exist_ok=True)
     for part in AGENT_CACHE:
         (cache_dir / part).mkdir(exist_ok=True)
         changed += _give_tree(cache_dir / part, uid, gid)
     log.info("node.state_given", uid=uid, gid=gid, changed=changed)
+
+
+def reclaim_helper_area(pool_root: Path, gid: int) -> None:
+    """``tmp/`` root's (0750, group ``gid``) and empty: taken back first, so that nobody but root
+    can add to it while it is emptied; each entry then removed by the helper's own confined delete
+    (never following a link, never leaving the pool)."""
+    from space.node.helper.verbs_pool import delete_entry  # root-only code, imported by root only
+
+    area = pool_root / HELPER_AREA
+    area.mkdir(mode=0o750, exist_ok=True)
+    fd = os.open(area, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, 0o750)
+        names = os.listdir(fd)
+    finally:
+        os.close(fd)
+    for name in names:
+        delete_entry(pool_root, HELPER_AREA, name)
+    if names:
+        log.info("node.helper_area_emptied", entries=len(names))

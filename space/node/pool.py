@@ -38,11 +38,15 @@ from space.node.mountinfo import Mount, mounts
 log = structlog.get_logger(__name__)
 
 AREAS = ("templates", "sandboxes", "tmp")
-#: nosuid: the pool holds files a sandbox wrote, setuid-root binaries among them (gVisor lets a
-#: guest root chmod 4755); the host must never honour those. (Inside the sandbox nothing changes:
-#: measured, this runsc ignores the setuid bit with or without it.) Not nodev: template build steps
-#: chroot into roots whose /dev holds debootstrap's device nodes (measured: /dev/null fails there).
-MOUNT_OPTIONS = "noatime,nosuid"
+#: The pool holds files a sandbox wrote: setuid-root binaries (gVisor lets a guest root chmod 4755)
+#: and device nodes (debootstrap makes them, a received stream can carry any). The host must never
+#: honour either: every pool, whatever its kind, is a mount with these flags (inside a sandbox
+#: nothing changes: this runsc ignores the setuid bit with or without them, and a sandbox's /dev
+#: is its own tmpfs). nodev is possible since no template build runs on the host any more.
+POOL_FLAGS = ("nosuid", "nodev")
+MOUNT_OPTIONS = ",".join(("noatime", *POOL_FLAGS))
+#: Per-mount flags a remount keeps as they were (remount,bind sets all of them at once).
+_KEPT_FLAGS = ("ro", "noexec", "noatime", "nodiratime", "relatime", "strictatime")
 #: Inode number of every subvolume's root directory (BTRFS_FIRST_FREE_OBJECTID).
 _SUBVOLUME_INO = 256
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -110,6 +114,25 @@ def _fstype_of(path: Path) -> str:
         ):
             best = m
     return best.fstype if best else ""
+
+
+async def _harden(mounted: Mount) -> None:
+    """:data:`POOL_FLAGS` on the mount at ``mounted.target`` (a remount of its per-mount flags
+    only: the filesystem's own options, and its other mounts, stay as they are)."""
+    if all(flag in mounted.options for flag in POOL_FLAGS):
+        return
+    kept = [o for o in mounted.options if o in _KEPT_FLAGS]
+    await privileged.run("mount", "-o", ",".join(["remount", "bind", *kept, *POOL_FLAGS]), mounted.target)
+    log.info("pool.hardened", target=mounted.target, flags=",".join(POOL_FLAGS))
+
+
+def _is_self_bind(mountpoint: Path, data_dir: Path) -> bool:
+    """The mount at ``mountpoint`` is a DIRECTORY pool's bind of itself: same filesystem (and
+    subvolume) as the data dir, where another filesystem or subvolume mounted there would not be."""
+    try:
+        return os.stat(mountpoint).st_dev == os.stat(data_dir).st_dev
+    except OSError:
+        return False
 
 
 def _loop_backing_file(device: str) -> Path | None:
@@ -202,15 +225,26 @@ class Pool:
                 raise RuntimeFailure(
                     f"{mountpoint} is a {mounted.fstype} mount, not btrfs", path=str(mountpoint)
                 )
+            # Adopted (after a crash, an upgrade, or the operator's own): the flags hold whatever
+            # mounted it.
+            await _harden(mounted)
             if _loop_backing_file(mounted.source) == image:
                 return cls(mountpoint, kind=PoolKind.LOOP, data_dir=data_dir, image=image,
                            device=Path(mounted.source))
             if device is not None and _same_device(mounted.source, device):
                 return cls(mountpoint, kind=PoolKind.DEVICE, data_dir=data_dir, device=device)
+            if _is_self_bind(mountpoint, data_dir):
+                return cls(mountpoint, kind=PoolKind.DIRECTORY, data_dir=data_dir)
             return cls(mountpoint, kind=PoolKind.MOUNTED, data_dir=data_dir, device=Path(mounted.source))
 
         mountpoint.mkdir(exist_ok=True)
         if device is None and _fstype_of(data_dir) == "btrfs":
+            # A plain directory of the host's btrfs: bound onto itself, so that it is a mount of
+            # its own, which can carry the flags (the host's filesystem keeps its own).
+            await privileged.run("mount", "--bind", str(mountpoint), str(mountpoint))
+            bound = _mount_at(mountpoint)
+            assert bound is not None
+            await _harden(bound)
             return cls(mountpoint, kind=PoolKind.DIRECTORY, data_dir=data_dir)
 
         if device is not None:
@@ -241,8 +275,8 @@ class Pool:
                                 await self.delete_subvolume(child)
                             except InvalidPath as exc:  # a name no verb accepts: not ours
                                 log.warning("pool.teardown_skipped", path=str(child), error=exc.message)
-            if self.kind in (PoolKind.LOOP, PoolKind.DEVICE) and _mount_at(self.root) is not None:
-                await privileged.run("umount", str(self.root))
+            if self.kind in (PoolKind.LOOP, PoolKind.DEVICE, PoolKind.DIRECTORY) and _mount_at(self.root) is not None:
+                await privileged.run("umount", str(self.root))  # a DIRECTORY's is its bind onto itself
             if self.kind is PoolKind.LOOP and self.image is not None:
                 for dev in await _loops_of(self.image):
                     await privileged.run("losetup", "-d", dev)
@@ -307,6 +341,17 @@ class Pool:
         """Change the disk limit of the sandbox root ``root`` (no-op while quotas are off)."""
         if self.quotas:
             await self.priv.call("subvol.limit", {"rel": self._rel(root), "limit_bytes": limit_bytes})
+
+    async def begin_build(self, work: Path, base: Path | None = None) -> None:
+        """A template build's work tree (``tmp/build-<name>@<digest16>``), made by the helper: empty,
+        or a writable snapshot of the read-only template ``base``. Only such a tree takes build
+        verbs (``template.*``); Conflict if it exists."""
+        await self.priv.call("template.begin", {"work": self._rel(work),
+                                                "base": self._rel(base) if base is not None else None})
+
+    async def finish_build(self, work: Path, final: Path) -> None:
+        """Publish the build at ``work`` as the read-only template ``final``."""
+        await self.priv.call("template.finish", {"work": self._rel(work), "dest": self._rel(final)})
 
     async def delete_subvolume(self, path: Path) -> None:
         """Delete ``path`` and every subvolume beneath it, deepest first.

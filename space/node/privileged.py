@@ -137,9 +137,11 @@ async def stream_lines(
     on_line: LineCallback,
     timeout: float = 3600,
     env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> int:
     """Run ``argv`` and hand every line of its merged stdout/stderr to ``on_line``; return the exit
-    code (the caller decides what a failure means and keeps whatever tail it wants to report)."""
+    code (the caller decides what a failure means and keeps whatever tail it wants to report).
+    ``pass_fds`` are inherited as in :func:`run`."""
     started = time.monotonic()
     proc = await spawn(
         *argv,
@@ -148,6 +150,7 @@ async def stream_lines(
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
         env=env,
+        pass_fds=tuple(pass_fds),
     )
     assert proc.stdout is not None
     try:

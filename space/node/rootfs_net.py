@@ -1,4 +1,4 @@
-"""Point a sandbox's root at the gateway (resolver) and make it trust the egress CA, from the host,
+"""Point a sandbox's root at the gateway (resolver) and hand it the egress CA, from the host,
 before it boots.
 
 Done on the host because it is ~1 ms against ~135 ms for a shell in the guest (measured on cold
@@ -7,6 +7,12 @@ creates). A root comes from a template, and a template may come from a user's sa
 So every path is walked one component at a time with ``O_NOFOLLOW`` relative to the root's
 directory descriptor, and a file is replaced (unlink, then create exclusively) rather than written
 through: a symlink is never followed, only removed.
+
+Root only ever *writes* here, files whose every byte it made itself; it never reads a file of the
+root. The system trust bundle (``/etc/ssl/certs/ca-certificates.crt``) is the guest's own file, of
+any size and content a tenant left in it, so the CA is appended to it by the guest daemon at boot
+(``space.guest.guest_ca``, size-capped, inside gVisor), where parsing it risks nothing but the
+sandbox itself.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+#: Where the egress CA goes in a root (Debian's place for local CAs); the guest reads it from there.
+CA_DIR = ("usr", "local", "share", "ca-certificates")
 CA_NAME = "space-egress-ca.crt"
-BUNDLE = ("etc", "ssl", "certs", "ca-certificates.crt")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -58,41 +65,19 @@ def _replace(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         os.close(fd)
 
 
-def configure(rootfs: Path, gateway_ip: str, ca_pem: bytes | None) -> None:
-    """Idempotent: resolv.conf names the gateway; the CA is installed and in the system bundle."""
-    root_fd = os.open(rootfs, _DIR)
+def configure(root: int | Path, gateway_ip: str, ca_pem: bytes | None) -> None:
+    """Idempotent: resolv.conf names the gateway; the CA is installed where the guest daemon adds
+    it to the system bundle from (:data:`CA_DIR`/:data:`CA_NAME`). ``root`` is the root's directory
+    (a descriptor: the one the caller checked; it stays the caller's)."""
+    root_fd = os.dup(root) if isinstance(root, int) else os.open(root, _DIR)
     try:
         with _dir(root_fd, ("etc",)) as etc:
             if etc is not None:
                 _replace(etc, "resolv.conf", f"nameserver {gateway_ip}\noptions timeout:2 attempts:2\n".encode())
         if not ca_pem:
             return
-        pem = ca_pem.strip() + b"\n"
-        with _dir(root_fd, ("usr", "local", "share", "ca-certificates"), create=True) as d:
+        with _dir(root_fd, CA_DIR, create=True) as d:
             if d is not None:
-                _replace(d, CA_NAME, pem)
-        with _dir(root_fd, BUNDLE[:-1]) as certs:
-            if certs is None:
-                return
-            try:
-                fd = os.open(BUNDLE[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=certs)
-            except FileNotFoundError:
-                _replace(certs, BUNDLE[-1], pem)
-                return
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                # A symlink (Debian's is a file, but a template may differ): replace it with a copy
-                # of nothing but our CA would break every other site, so leave the bundle alone.
-                return
-            try:
-                bundle = b""
-                while chunk := os.read(fd, 1 << 20):
-                    bundle += chunk
-                if pem not in bundle:
-                    os.lseek(fd, 0, os.SEEK_END)
-                    os.write(fd, (b"" if bundle.endswith(b"\n") or not bundle else b"\n") + pem)
-            finally:
-                os.close(fd)
+                _replace(d, CA_NAME, ca_pem.strip() + b"\n")
     finally:
         os.close(root_fd)

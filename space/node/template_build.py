@@ -3,19 +3,20 @@
 The base is either debootstrap (the store's builder, as for ``base``) or a writable snapshot of
 another template, materialized first with :meth:`TemplateStore.ensure` (from the pool, the cache,
 object storage, or by building it). The steps are the root helper's ``template.*`` verbs
-(:mod:`space.node.helper.verbs_template`, where the scripts live): every step that runs inside the
-new root runs in a private mount and PID namespace (``unshare --mount --pid --fork``) with
-``/proc``, ``/dev`` and the host's ``/etc/resolv.conf`` mounted for it (apt and pip need the
-network; see also ``verbs_template.HOST_CA``): the mounts exist only in that namespace and vanish
-with its last process, which the PID namespace guarantees is the step itself (a daemon a postinst
-started dies with it). A leftover mount would make ``btrfs subvolume delete`` of the build fail,
-and a failed build must leave nothing behind.
+(:mod:`space.node.helper.verbs_template`, where the scripts live) on the work tree the helper made
+for this build (``template.begin``). Every step that executes the template's own binaries runs in
+a gVisor sandbox (:mod:`space.node.helper.build_sandbox`), never on the host; the apt, pip and run
+steps get a network whose only way out is the node's egress gateway, under the build egress
+policy (:mod:`space.node.build_net`: the Debian mirror, PyPI and what the operator adds). A failed
+build leaves nothing behind.
 
-Specs are admin-only: their commands run as root in the chroot with the host's network.
+Specs are admin-only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 from collections import deque
@@ -55,47 +56,59 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
             if info.digest != base["digest"]:
                 raise RuntimeFailure(f"base template {base['name']} materialized as {info.digest[:16]}, "
                                      f"not {base['digest'][:16]}")
-            await store.pool.snapshot(info.path, work)
+            await store.pool.begin_build(work, info.path)
 
         steps.append((f"base: template {base['name']}@{base['digest'][:16]}", from_template))
     else:
         async def from_debootstrap() -> None:
-            await store.pool.create_subvolume(work)
+            await store.pool.begin_build(work)
             await store._builder(spec, work, store.cache_dir, indented)
 
         steps.append((f"base: debootstrap {spec['suite']}", from_debootstrap))
 
-    priv, rel = store.pool.priv, shipping.pool_rel(store.pool, work)
+    rel = shipping.pool_rel(store.pool, work)
+    # The network of the apt, pip and run steps (leased below, once the base is there).
+    net = _StepNet()
+    step = functools.partial(_in_root, store.pool.priv, rel, net, emit)
     # The spec's env applies to its run commands (the helper adds its fixed build environment).
     env = [f"{k}={v}" for k, v in (spec.get("env") or {}).items()]
     if spec.get("apt"):
         pkgs = list(spec["apt"])
-        steps.append((f"apt install {' '.join(pkgs)}",
-                      lambda: _in_root(priv, rel, "apt", pkgs, [], emit, "apt install")))
+        steps.append((f"apt install {' '.join(pkgs)}", functools.partial(step, "apt", pkgs, [], "apt install")))
     if spec.get("pip"):
         reqs = list(spec["pip"])
-        steps.append((f"pip install {' '.join(reqs)}",
-                      lambda: _in_root(priv, rel, "pip", reqs, [], emit, "pip install")))
+        steps.append((f"pip install {' '.join(reqs)}", functools.partial(step, "pip", reqs, [], "pip install")))
     if spec.get("files"):
         files = list(spec["files"])
         steps.append((f"copy {len(files)} file(s)", lambda: _copy_files(store, rel, files, emit)))
     for cmd in spec.get("run") or []:
         title = f"run: {_short(cmd)}"
-        steps.append((title, _bind_run(priv, rel, cmd, env, emit, title)))
+        steps.append((title, functools.partial(step, "run", [cmd], env, title)))
+    priv = store.pool.priv
     user, workdir = spec.get("user") or "", spec.get("workdir") or ""
     if workdir or (template_spec.is_derived(spec) and user):
         steps.append((f"configure: user {user or '-'}, workdir {workdir or '-'}",
-                      lambda: _run_chroot(priv, rel, "configure", [user, workdir])))
+                      lambda: _run_script(priv, rel, "configure", [user, workdir])))
     if spec.get("apt") or spec.get("pip") or spec.get("run"):
-        steps.append(("clean apt lists and caches", lambda: _run_chroot(priv, rel, "clean", [])))
+        steps.append(("clean apt lists and caches", lambda: _run_script(priv, rel, "clean", [])))
 
     total = len(steps) + 1
-    for i, (title, step) in enumerate(steps, 1):
-        await emit(f"[{i}/{total}] {title}")
-        started = time.monotonic()
-        await step()
-        log.info("template.build_step", step=title, seconds=round(time.monotonic() - started, 2))
+    networked = bool(spec.get("apt") or spec.get("pip") or spec.get("run"))
+    async with contextlib.AsyncExitStack() as stack:
+        for i, (title, run_step) in enumerate(steps, 1):
+            if i == 2 and networked and store.build_net is not None:
+                net.index = await stack.enter_async_context(store.build_net.lease(work.name, spec))
+            await emit(f"[{i}/{total}] {title}")
+            started = time.monotonic()
+            await run_step()
+            log.info("template.build_step", step=title, seconds=round(time.monotonic() - started, 2))
     await emit(f"[{total}/{total}] publish {work.name.removeprefix('build-')}")
+
+
+class _StepNet:
+    """The sandbox network index the steps run on (None: no network)."""
+
+    index: int | None = None
 
 
 def _short(cmd: str, limit: int = 70) -> str:
@@ -103,22 +116,18 @@ def _short(cmd: str, limit: int = 70) -> str:
     return one if len(one) <= limit else one[: limit - 1] + "…"
 
 
-def _bind_run(priv: Privileged, work: str, cmd: str, env: list[str], emit: Progress,
-              title: str) -> Callable[[], Awaitable[None]]:
-    return lambda: _in_root(priv, work, "run", [cmd], env, emit, title)
-
-
-async def _in_root(priv: Privileged, work: str, kind: str, args: list[str], env: list[str], emit: Progress,
-                   what: str) -> None:
-    """A ``template.step`` (apt, pip or one run command inside the work tree, namespaced, mounts as
-    described above), streaming its output; a failure raises with the output's tail."""
+async def _in_root(priv: Privileged, work: str, net: _StepNet, emit: Progress, kind: str, args: list[str],
+                   env: list[str], what: str) -> None:
+    """A ``template.step`` (apt, pip or one run command in a build sandbox over the work tree, on
+    the build's network if it has one), streaming its output; a failure raises with the output's
+    tail."""
     tail: deque[str] = deque(maxlen=TAIL_LINES)
 
     async def line(text: str) -> None:
         tail.append(text)
         await emit(f"    {text}")
 
-    res = await priv.call("template.step", {"work": work, "kind": kind, "args": args, "env": env},
+    res = await priv.call("template.step", {"work": work, "kind": kind, "args": args, "env": env, "net": net.index},
                           on_line=line, timeout=STEP_TIMEOUT)
     rc = int(res["returncode"])
     if rc != 0:
@@ -127,8 +136,8 @@ async def _in_root(priv: Privileged, work: str, kind: str, args: list[str], env:
                              step=what, returncode=rc, output="\n".join(tail))
 
 
-async def _run_chroot(priv: Privileged, work: str, script: str, args: list[str]) -> None:
-    """A step that needs neither the network nor /proc: one of the helper's scripts in a chroot."""
+async def _run_script(priv: Privileged, work: str, script: str, args: list[str]) -> None:
+    """A step that needs no network: one of the helper's scripts, in a build sandbox."""
     try:
         await priv.call("template.script", {"work": work, "script": script, "args": args}, timeout=600)
     except RuntimeFailure as exc:

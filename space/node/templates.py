@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -61,16 +61,19 @@ from space.errors import (
     ValidationFailed,
 )
 from space.node import shipping, template_build, template_objects, template_spec
-from space.node.helper import verbs_template
+from space.node.helper import build_scripts, verbs_template
 from space.node.pool import Pool, check_name, file_lock
 from space.node.template_objects import Published, StreamRef
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 
+if TYPE_CHECKING:
+    from space.node.build_net import BuildNetwork
+
 log = structlog.get_logger(__name__)
 
 DEFAULT_CACHE_DIR: Final = Path("/var/cache/space")
-USER_UID: Final = verbs_template.USER_UID
+USER_UID: Final = build_scripts.USER_UID
 
 #: The spec of the ``base`` template. Copy it before changing it: every key is part of the digest.
 BASE_SPEC: Final[dict[str, Any]] = {
@@ -195,6 +198,9 @@ class TemplateStore:
         self._flights: dict[str, _Flight] = {}
         #: Template streams this process fetched from object storage (single-flight shows here).
         self.downloads = 0
+        #: The network of build steps (their only way out: the node's egress gateway); None: the
+        #: steps run without network.
+        self.build_net: BuildNetwork | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -415,11 +421,11 @@ class TemplateStore:
             if template_spec.is_derived(spec) or template_spec.has_build_steps(spec):
                 await template_build.build_custom(self, spec, work, emit)
             else:
-                await self.pool.create_subvolume(work)
+                await self.pool.begin_build(work)
                 await self._builder(spec, work, self.cache_dir, emit)
                 await emit(f"[4/4] publish {label}")
-            # The snapshot is the atomic publish: the final path only ever appears complete.
-            await self.pool.snapshot(work, final, readonly=True)
+            # A read-only snapshot is the atomic publish: the final path only ever appears complete.
+            await self.pool.finish_build(work, final)
         except BaseException as exc:
             log.warning("template.build_failed", template=label, error=str(exc) or type(exc).__name__)
             raise

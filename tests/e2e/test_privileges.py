@@ -119,7 +119,7 @@ def test_what_the_api_writes_is_the_users_and_nothing_more(server: Server, user:
     token = (data / "node.token").stat()
     assert (token.st_uid, stat.S_IMODE(token.st_mode)) == (0, 0o600)
     assert (data / "pool.img").stat().st_uid == 0
-    for p in ("runsc", "bundles"):  # the helper's, made at the first sandbox
+    for p in ("runsc", "bundles", "runsc-build", "build-bundles"):  # the helper's, made at the first sandbox or build
         if (data / p).exists():
             st = (data / p).stat()
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700), p
@@ -137,6 +137,9 @@ def test_what_the_api_writes_is_the_users_and_nothing_more(server: Server, user:
     # The pool is the node's: the API's user cannot list a sandbox's files.
     pool = (data / "pool" / "sandboxes").stat()
     assert (pool.st_uid, stat.S_IMODE(pool.st_mode)) == (node_uid, 0o750) and pool.st_gid != user.pw_gid
+    # Build work trees and receive staging: the helper's alone (the agent may look, not write).
+    tmp = (data / "pool" / "tmp").stat()
+    assert (tmp.st_uid, stat.S_IMODE(tmp.st_mode)) == (0, 0o750)
     objects = data / "objects"
     assert acl_groups(objects) == {user.pw_gid: 7} and acl_groups(objects, default=True) == {user.pw_gid: 7}
 

@@ -49,10 +49,11 @@ def priv(btrfs_pool: Pool) -> InProcess:
 
 @pytest.fixture
 async def work(btrfs_pool: Pool, base: TemplateInfo) -> AsyncIterator[tuple[str, Path]]:
-    """A writable snapshot of base at ``tmp/build-t<rand>@<digest16>``: (REL, path)."""
+    """A build begun from base (a writable snapshot of it) at ``tmp/build-t<rand>@<digest16>``:
+    (REL, path)."""
     name = f"build-t{uuid.uuid4().hex[:8]}@{uuid.uuid4().hex[:16]}"
     path = btrfs_pool.tmp_dir / name
-    await btrfs_pool.snapshot(base.path, path)
+    await btrfs_pool.begin_build(path, base.path)
     yield f"tmp/{name}", path
     await btrfs_pool.delete_subvolume(path)
 

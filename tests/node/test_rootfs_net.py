@@ -1,6 +1,7 @@
 """rootfs_net.configure: the resolver and the egress CA are written into a sandbox's root from the
 host without ever following a symlink the root's author planted (a template may come from a
-user's sandbox)."""
+user's sandbox), and without reading any file of the root (the system bundle is the guest's to
+extend: tests/guest/test_guest_ca.py)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,35 @@ from pathlib import Path
 from space.node import rootfs_net
 
 CA = b"-----BEGIN CERTIFICATE-----\nMIIBspaceTESTca\n-----END CERTIFICATE-----\n"
+BUNDLE = b"-----BEGIN CERTIFICATE-----\nX\n-----END CERTIFICATE-----\n"
 
 
 def make_root(tmp: Path) -> Path:
     root = tmp / "root"
     (root / "etc" / "ssl" / "certs").mkdir(parents=True)
     (root / "etc" / "resolv.conf").write_text("nameserver 8.8.8.8\n")
-    (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").write_bytes(b"-----BEGIN CERTIFICATE-----\nX\n"
-                                                                       b"-----END CERTIFICATE-----\n")
+    (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").write_bytes(BUNDLE)
     return root
 
 
-def test_writes_resolver_and_ca_idempotently(tmp_path: Path) -> None:
+def test_writes_resolver_and_ca_idempotently_and_leaves_the_bundle_to_the_guest(tmp_path: Path) -> None:
     root = make_root(tmp_path)
     for _ in range(2):
         rootfs_net.configure(root, "10.208.0.1", CA)
     assert (root / "etc" / "resolv.conf").read_text().startswith("nameserver 10.208.0.1\n")
-    bundle = (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").read_bytes()
-    assert bundle.count(CA) == 1 and bundle.startswith(b"-----BEGIN CERTIFICATE-----\nX\n")
+    assert (root / "etc" / "ssl" / "certs" / "ca-certificates.crt").read_bytes() == BUNDLE
     assert (root / "usr" / "local" / "share" / "ca-certificates" / rootfs_net.CA_NAME).read_bytes() == CA
+
+
+def test_takes_the_root_as_a_descriptor(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rootfs_net.configure(fd, "10.208.0.1", CA)
+        os.fstat(fd)  # still the caller's: not closed
+    finally:
+        os.close(fd)
+    assert (root / "etc" / "resolv.conf").read_text().startswith("nameserver 10.208.0.1\n")
 
 
 def test_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:

@@ -138,7 +138,11 @@ def base_template(btrfs_pool: Pool) -> tuple[TemplateInfo, Lines]:
 
 
 def chroot(root: Path, *argv: str) -> str:
-    return subprocess.run(["chroot", str(root), *argv], capture_output=True, text=True, check=True).stdout
+    # The pool is nodev: the template's own /dev nodes do not open on the host, so the host's /dev
+    # is bound over it (in a mount namespace of this command's alone).
+    script = 'mount --rbind /dev "$1/dev" && exec chroot "$@"'
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "chroot",
+                           str(root), *argv], capture_output=True, text=True, check=True).stdout
 
 
 @runtime

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from space.node.helper import verbs
+from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
 from space.node.helper.verbs import GatewayConfig, HelperContext
 
@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="proxy,transparent,dns ports of the egress gateway")
     p.add_argument("--gateway-config", type=_gateway, default=None, help="JSON: how to run the gateway")
     p.add_argument("--runsc", default="runsc")
+    p.add_argument("--mirror", action="append", default=[], type=_mirror,
+                   help="a Debian mirror template builds may debootstrap from (repeatable; default "
+                        "http://deb.debian.org/debian)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit with this process (the node agent that started the helper)")
     p.add_argument("--stop-fd", type=int, default=None,
@@ -66,6 +69,14 @@ def _ports(value: str) -> tuple[int, int, int]:
     if len(parts) != 3 or not all(p.isdigit() and 0 < int(p) < 65536 for p in parts):
         raise argparse.ArgumentTypeError("three ports: proxy,transparent,dns")
     return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def _mirror(value: str) -> str:
+    from space.node.helper.verbs_template import MIRROR_RE
+
+    if MIRROR_RE.fullmatch(value) is None:
+        raise argparse.ArgumentTypeError(f"not an http(s):// or file:// URL: {value}")
+    return value
 
 
 def _gateway(value: str) -> GatewayConfig:
@@ -87,7 +98,7 @@ async def _main(args: argparse.Namespace) -> None:
     verbs.load_all()
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
-                        agent_uid=args.agent_uid, gateway=args.gateway_config)
+                        agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,6 +124,8 @@ async def _main(args: argparse.Namespace) -> None:
         except ProcessLookupError:
             return
         stop_when_readable(parent)
+    # No build outlives the helper that ran it: what a dead one left is removed before serving.
+    await build_sandbox.sweep(ctx)
     server = await serve(ctx, args.socket, agent_uid=args.agent_uid, allow_root=args.allow_root,
                          socket_gid=args.socket_group)
     log.info("helper.started", pid=os.getpid(), verbs=sorted(verbs.REGISTRY))

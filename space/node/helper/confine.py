@@ -29,6 +29,7 @@ RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10  # as if the directory were /: its symlinks never lead out of it
 CONFINED = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 _OPEN_HOW = struct.Struct("=QQQ")  # struct open_how { __u64 flags, mode, resolve; }
 BTRFS_SUPER_MAGIC = 0x9123683E

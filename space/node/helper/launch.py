@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,34 @@ log = structlog.get_logger(__name__)
 #: How long :meth:`HelperProcess.stop` waits for the helper, which first waits for its verbs'
 #: cleanup (up to ``rpc.CLOSE_DEADLINE``, but about a second when a launch was cut short).
 STOP_GRACE = 10.0
+
+
+def prepare_socket_dir(d: Path, gid: int) -> None:
+    """``d`` a directory of root's, mode 0750, group ``gid``: its parent (the node's socket
+    directory) is the agent's, which may have left anything under that name. What is not a
+    directory root owns is removed (never followed) and made anew; then owner and mode are set
+    through the directory's own descriptor."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    parent = os.open(d.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            st = os.stat(d.name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(d.name, dir_fd=parent)
+            elif st.st_uid != 0:
+                shutil.rmtree(d.name, dir_fd=parent)  # fd-based: follows no link inside
+        except FileNotFoundError:
+            pass
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d.name, 0o750, dir_fd=parent)
+        fd = os.open(d.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.fchown(fd, 0, gid)
+            os.fchmod(fd, 0o750)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent)
 
 
 class HelperProcess:
@@ -55,14 +85,13 @@ class HelperProcess:
         argv.append("--allow-root")
         if c.gateway is not None:
             argv += ["--gateway-config", json.dumps(c.gateway.to_json())]
+        for mirror in c.mirrors:
+            argv += ["--mirror", mirror]
         return argv
 
     async def start(self, *, timeout: float = 30.0) -> HelperClient:
         """Start the helper and return its client once it answers ``helper.ping``."""
-        d = self.socket_path.parent
-        d.mkdir(mode=0o750, parents=True, exist_ok=True)
-        os.chown(d, 0, self.socket_gid)
-        os.chmod(d, 0o750)
+        prepare_socket_dir(self.socket_path.parent, self.socket_gid)
         stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         try:
             self.proc = subprocess.Popen([*self.argv(), "--stop-fd", str(stop_r)],  # noqa: ASYNC220

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from space.errors import Internal, InvalidRequest, SpaceError, Timeout, Unavailable, from_wire
+from space.node import unixsock
 from space.node.helper.backend import LineCallback, invoke
 from space.node.helper.verbs import HelperContext
 
@@ -295,28 +296,12 @@ async def serve(ctx: HelperContext, socket_path: Path, *, agent_uid: int, allow_
 
 
 def _listen(path: Path, gid: int | None) -> socket.socket:
+    # Placed once listening, with its final mode and owner (whoever sees the path can connect, and
+    # a stale socket is replaced atomically), and never chmodded by a name: space.node.unixsock.
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise InvalidRequest(f"{path} exists and is not a socket", path=str(path))
-    # Bound under a temporary name and renamed into place once listening, with its final mode and
-    # owner: whoever sees the path can connect, and a stale socket is replaced atomically.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-    try:
-        listener.bind(str(tmp))
-        os.chmod(tmp, 0o660)
-        if gid is not None:
-            os.chown(tmp, 0, gid)
-        listener.listen(128)
-        os.rename(tmp, path)
-    except BaseException:
-        listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    return listener
+    return unixsock.bind_listening(path, mode=0o660, gid=gid, flags=socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
 
 # -- client ---------------------------------------------------------------------------------------

@@ -74,6 +74,8 @@ class HelperContext:
     #: files it writes itself.
     agent_uid: int | None = None
     gateway: GatewayConfig | None = None
+    #: The Debian mirrors template builds may debootstrap from (empty: the default one only).
+    mirrors: tuple[str, ...] = ()
 
     @property
     def pool(self) -> Path:

@@ -11,7 +11,7 @@ from space.node import rootfs_net
 from space.node.helper import verbs
 from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
 from space.node.helper.verbs_net import NodeNet
-from space.node.helper.verbs_runtime import resolve_dir
+from space.node.helper.verbs_runtime import open_dir
 
 #: A PEM certificate bundle is public, but it is written into a sandbox's root: keep it bounded.
 MAX_CA_PEM = 64 * 1024
@@ -39,8 +39,12 @@ class ConfigureNetArgs:
 async def rootfs_configure_net(ctx: HelperContext, a: ConfigureNetArgs, call: Call) -> dict[str, Any]:
     """The sandbox's resolver (the node's gateway) and the egress CA, written into its root before
     a cold boot (files there belong to the guest's root user, so only root may write them)."""
-    rootfs = resolve_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)
     gateway_ip = NodeNet.gateway_ip(NodeNet(ctx).slot())
     ca = a.ca_pem.encode() if a.ca_pem is not None else None
-    await asyncio.to_thread(rootfs_net.configure, rootfs, gateway_ip, ca)
+    # The root checked here is the one written: by descriptor (the agent owns sandboxes/<id>/).
+    rootfs = open_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True, flags=os.O_RDONLY)
+    try:
+        await asyncio.to_thread(rootfs_net.configure, rootfs, gateway_ip, ca)
+    finally:
+        os.close(rootfs)
     return {}

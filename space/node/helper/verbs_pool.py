@@ -393,6 +393,17 @@ def _delete(root: Path, rel: str) -> None:
     log.debug("pool.deleted", rel=rel)
 
 
+def delete_entry(root: Path, area: str, name: str) -> None:
+    """Delete ``area/name`` of the pool like tree.delete, whatever ``name`` is (an entry listed
+    from the directory, possibly one no REL would accept)."""
+    with PoolRoot.open(root) as pool:
+        parent = pool.open_dir((area,), what=area)
+        try:
+            _delete_at(pool, Resolved(parent, name, f"{area}/{name}"))
+        finally:
+            os.close(parent)
+
+
 def _delete_at(pool: PoolRoot, r: Resolved) -> None:
     if r.lstat() is None:
         return

@@ -194,21 +194,35 @@ def _thaw(instance: str) -> None:
         (FREEZER / instance / "freezer.state").write_text("THAWED")
 
 
-def open_dir(base: Path, *parts: str, subvolume: bool = False) -> int:
-    """An ``O_PATH`` descriptor of ``base/parts...``, walked one component at a time without
-    following a symlink: every component must be a real directory (the last a subvolume root when
-    asked). The caller closes it."""
-    fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+def open_dir(base: Path | int, *parts: str, subvolume: bool = False, flags: int = os.O_PATH) -> int:
+    """A descriptor of ``base/parts...`` (``O_PATH`` unless ``flags`` say otherwise), walked one
+    component at a time without following a symlink: every component must be a real directory
+    (the last a subvolume root when asked). ``base`` is a path or a directory descriptor. The
+    caller closes it.
+
+    There is deliberately no variant that returns a path: the agent owns the plain directories of
+    the pool and may swap any of them for a symlink the moment a check is done, so what was checked
+    is handed on as this descriptor (to a tool as ``/proc/self/fd/N``, to ``*at`` calls as a dir fd),
+    never as a name root would walk again.
+    """
+    if isinstance(base, int):
+        fd = os.dup(base)
+        os.set_inheritable(fd, False)
+    else:
+        fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in parts:
+        for i, part in enumerate(parts):
+            mode = flags if i == len(parts) - 1 else os.O_PATH
             try:
-                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                nxt = os.open(part, mode | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except FileNotFoundError:
                 raise NotFound(f"{'/'.join(parts)} does not exist in the pool") from None
             except (NotADirectoryError, OSError):
                 raise InvalidPath(f"{'/'.join(parts)}: {part} is not a directory") from None
             os.close(fd)
             fd = nxt
+        if not parts and flags != os.O_PATH:
+            raise ValueError("open_dir: flags apply to the last component; give at least one")
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode) or (subvolume and st.st_ino != _SUBVOLUME_INO):
             raise InvalidPath(f"{'/'.join(parts)} is not a subvolume")
@@ -218,10 +232,10 @@ def open_dir(base: Path, *parts: str, subvolume: bool = False) -> int:
     return fd
 
 
-def resolve_dir(base: Path, *parts: str, subvolume: bool = False) -> Path:
-    """``base/parts...`` checked like :func:`open_dir`."""
-    os.close(open_dir(base, *parts, subvolume=subvolume))
-    return base.joinpath(*parts)
+def fd_path(fd: int) -> str:
+    """How a tool run with ``pass_fds=(fd,)`` names what ``fd`` is open on (a magic link the kernel
+    resolves to that very directory, whatever was renamed or swapped since)."""
+    return f"/proc/self/fd/{fd}"
 
 
 def _existing(r: Runsc, instance: str) -> None:
@@ -262,20 +276,22 @@ async def runtime_launch(ctx: HelperContext, a: LaunchArgs, call: Call) -> dict[
     restore = a.kind == "restore"
     if restore != (a.image_sandbox is not None and a.image_snapshot is not None):
         raise InvalidRequest("a restore and only a restore names its image (image_sandbox, image_snapshot)")
-    rootfs_fd = open_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)
+    held = [open_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)]
     try:
-        return await _launch(ctx, r, a, call, rootfs_fd)
+        if restore:
+            assert a.image_sandbox is not None and a.image_snapshot is not None
+            held.append(open_dir(ctx.pool, "sandboxes", a.image_sandbox, "snapshots", a.image_snapshot,
+                                 "checkpoint"))
+        return await _launch(ctx, r, a, call, held[0], held[1] if restore else None)
     finally:
-        os.close(rootfs_fd)
+        for fd in held:
+            os.close(fd)
 
 
-async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootfs_fd: int) -> dict[str, Any]:
-    restore = a.kind == "restore"
-    extra: list[str] = []
-    if restore:
-        assert a.image_sandbox is not None and a.image_snapshot is not None
-        image = resolve_dir(ctx.pool, "sandboxes", a.image_sandbox, "snapshots", a.image_snapshot, "checkpoint")
-        extra = ["--image-path", str(image)]
+async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootfs_fd: int,
+                  image_fd: int | None) -> dict[str, Any]:
+    # The memory image as the descriptor checked above: runsc resolves the magic link to it.
+    extra = ["--image-path", fd_path(image_fd)] if image_fd is not None else []
     netns = Path(f"/var/run/netns/{NodeNet(ctx).sandbox(a.net)['netns']}") if a.net is not None else None
     for d in (r.root, r.bundles):  # runsc's state and the specs: root's alone
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -293,7 +309,7 @@ async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootf
                    "--pid-file", str(bundle / "sandbox.pid"), a.instance)]
     proc = await privileged.spawn(
         *argv, stdin=call.fds["stdin"], stdout=call.fds["stdout"], stderr=call.fds["stderr"],
-        start_new_session=True, pass_fds=(rootfs_fd,))
+        start_new_session=True, pass_fds=(rootfs_fd,) if image_fd is None else (rootfs_fd, image_fd))
     try:
         rc = await proc.wait()
     except BaseException:
@@ -370,37 +386,67 @@ async def runtime_checkpoint(ctx: HelperContext, a: CheckpointArgs, call: Call) 
     _existing(r, a.instance)
     if not a.instance.startswith(a.sandbox + "-"):
         raise Conflict(f"instance {a.instance} is not one of sandbox {a.sandbox}")
-    snap = resolve_dir(ctx.pool, "sandboxes", a.sandbox, "snapshots", a.snapshot)
-    image = snap / "checkpoint"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(image, 0o750)
-    resolve_dir(snap, "checkpoint")  # a real directory, not something planted there
+    snap = open_dir(ctx.pool, "sandboxes", a.sandbox, "snapshots", a.snapshot)
     try:
-        await privileged.run(*r.cmd("checkpoint", "--leave-running", "--image-path", str(image), a.instance),
-                             timeout=1800)
-    except RuntimeFailure as exc:
-        if "no space left" in f"{exc.message} {exc.details.get('stderr', '')}".lower():
-            raise InsufficientStorage(f"no room in the pool for the memory image of {a.instance}",
-                                      instance=a.instance) from None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("checkpoint", 0o750, dir_fd=snap)
+        # A real directory, not something planted there; from here on only this descriptor names it.
+        image = open_dir(snap, "checkpoint", flags=os.O_RDONLY)
+    finally:
+        os.close(snap)
+    try:
+        _check_fresh_image_dir(image, a.snapshot)
+    except BaseException:
+        os.close(image)
         raise
-    _give_image(ctx, image)
+    try:
+        try:
+            await privileged.run(*r.cmd("checkpoint", "--leave-running", "--image-path", fd_path(image), a.instance),
+                                 timeout=1800, pass_fds=(image,))
+        except RuntimeFailure as exc:
+            if "no space left" in f"{exc.message} {exc.details.get('stderr', '')}".lower():
+                raise InsufficientStorage(f"no room in the pool for the memory image of {a.instance}",
+                                          instance=a.instance) from None
+            raise
+        _give_image(ctx, image)
+    finally:
+        os.close(image)
     return {}
 
 
-def _give_image(ctx: HelperContext, image: Path) -> None:
-    """The memory image to the agent, which ships it (runsc wrote it as root, 0644); the sandbox's
-    directory, not the image's mode, keeps everyone else out."""
+def _check_fresh_image_dir(image: int, snapshot: str) -> None:
+    """runsc writes the image as root by name inside this directory: it must be root's and empty
+    (one the agent was given after an earlier checkpoint could hold its symlinks)."""
+    st = os.fstat(image)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise Conflict(f"the image directory of snapshot {snapshot} is not root's alone: a checkpoint goes into a "
+                       "fresh one", snapshot=snapshot)
+    fresh = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=image)
+    try:
+        left = os.listdir(fresh)
+    finally:
+        os.close(fresh)
+    if left:
+        raise Conflict(f"the image directory of snapshot {snapshot} is not empty", snapshot=snapshot,
+                       entries=sorted(left)[:5])
+
+
+def _give_image(ctx: HelperContext, image: int) -> None:
+    """The memory image (the directory ``image`` is open on) to the agent, which ships it (runsc
+    wrote it as root, 0644); the sandbox's directory, not the image's mode, keeps everyone else out."""
     if ctx.agent_uid is None or ctx.agent_uid == 0:
         return
-    fd = os.open(image, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    os.fchown(image, ctx.agent_uid, -1)
+    # Opened afresh through the descriptor (never by name): btrfs lists through an fd only the
+    # entries it had when that fd was opened, and runsc wrote the image after.
+    fresh = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=image)
     try:
-        os.fchown(fd, ctx.agent_uid, -1)
-        for name in os.listdir(fd):
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        for name in os.listdir(fresh):
+            st = os.stat(name, dir_fd=fresh, follow_symlinks=False)
             if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                os.chown(name, ctx.agent_uid, -1, dir_fd=fd, follow_symlinks=False)
+                os.chown(name, ctx.agent_uid, -1, dir_fd=fresh, follow_symlinks=False)
     finally:
-        os.close(fd)
+        os.close(fresh)
 
 
 @verb("runtime.kill", InstanceArgs, cap=30)

@@ -1,278 +1,95 @@
-"""Template build verbs: debootstrap, the fixed configure/clean scripts, apt/pip/run steps and file
+"""Template build verbs: begin a build, debootstrap, the fixed scripts, apt/pip/run steps and file
 copies, each on a build work tree ``tmp/build-<name>@<digest16>`` of the pool.
 
-The scripts live here, not with the caller: a caller picks one by name and gives its arguments,
-which are checked against the same rules as the template spec (``space.node.template_spec``)
-before anything runs. What runs is still the template's own ``/bin/sh``, apt and pip, as root in a
-chroot (finding F6 of ``docs/notes/privilege-split.md``: not closed here; the taint refusal and
-the mirror allowlist are not implemented yet).
+**A build is the helper's own.** ``template.begin`` makes the work subvolume (empty, or a writable
+snapshot of a read-only template) in ``tmp/``, which only root can write (``space.node.ownership``;
+the pool verbs refuse to create anything there), marks it with a random token in a ``trusted.*``
+extended attribute (which only root can set or read) and records the token. Every other build
+verb first checks that its work tree carries the token this helper recorded for it, so a tree the
+agent made or swapped in by any means is refused, and so is a second debootstrap, or a debootstrap
+over anything but the empty tree ``begin`` made.
+
+**No template binary runs on the host.** ``template.debootstrap`` runs debootstrap's first stage on
+the host (``--foreign``: it downloads the packages from a mirror on the helper's allowlist, checks
+them against the archive's signed index and unpacks them with the host's own tools into the fresh
+tree) and its second stage -- the packages' maintainer scripts -- in a build sandbox; scripts and
+steps run only in build sandboxes (:mod:`.build_sandbox`). ``template.write_file`` copies the
+passed fd into the tree itself, resolving the destination as if the tree were ``/``
+(``RESOLVE_IN_ROOT``): a symlink in the tree can never lead outside it. Every tool and every walk
+gets the tree as the descriptor the check opened, never as a path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import re
-from collections.abc import Callable, Iterator
+import secrets
+import stat
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any, Final
 
 import structlog
 
-from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure, SpaceError
+from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure
 from space.node import privileged
-from space.node.helper import verbs_pool
-from space.node.helper.confine import PoolRoot
+from space.node.helper import btrfs_ioctl as ioc
+from space.node.helper import build_sandbox, verbs_pool
+from space.node.helper.build_scripts import (
+    BASE_ENV,
+    SCRIPTS,
+    STEP_KINDS,
+    fullmatch,
+    is_abs_path,
+    is_env_entry,
+    step_args_ok,
+    step_command,
+)
+from space.node.helper.confine import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, PoolRoot, openat2
 from space.node.helper.verbs import Call, HelperContext, check, verb
-from space.node.helper.verbs_stream import run_on_fds
-from space.node.template_spec import _ENV_NAME, _MODE, _PACKAGE, _PIP, _SUITE, _USER, check_abs_path
+from space.node.helper.verbs_net import MAX_INDEX
+from space.node.template_spec import _MODE, _PACKAGE, _SUITE
 
 log = structlog.get_logger(__name__)
 
-#: The only trees a build verb acts on (made by ``subvol.create`` or ``subvol.snapshot``).
+#: The only trees a build verb acts on (made by ``template.begin``).
 WORK_RE: Final = re.compile(r"tmp/build-[A-Za-z0-9][A-Za-z0-9._-]{0,127}@[0-9a-f]{16}")
+#: What a build may start from: a template of the pool.
+BASE_RE: Final = re.compile(r"templates/[A-Za-z0-9][A-Za-z0-9._-]{0,127}@[0-9a-f]{16}")
 MIRROR_RE: Final = re.compile(r"(https?|file)://[^\s,'\"\\]+")
-HOME_RE: Final = re.compile(r"[A-Za-z0-9._/-]+")
-#: The uid of a debootstrap template's user.
-USER_UID: Final = 1000
+#: The mirror a helper allows when it is given none (the base template's). Mirrors are the
+#: operator's (``--mirror``): debootstrap's first stage fetches from them on the host's network, as
+#: root, and a ``file://`` one is a host directory it reads.
+DEFAULT_MIRROR: Final = "http://deb.debian.org/debian"
 DEBOOTSTRAP_CAP: Final = 3600.0
 STEP_CAP: Final = 3600.0
 SCRIPT_CAP: Final = 600.0
-
-#: Environment of debootstrap and of the base template's scripts.
-CHROOT_ENV: Final = {
-    "LC_ALL": "C",
-    "DEBIAN_FRONTEND": "noninteractive",
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-}
-#: Environment of every build step (nothing of the helper's own environment leaks in).
-BUILD_ENV: Final = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LC_ALL": "C.UTF-8",
-    "DEBIAN_FRONTEND": "noninteractive",
-}
-PIP_ENV: Final = {
-    # bookworm's python is "externally managed" (PEP 668): a template owns its system python.
-    "PIP_BREAK_SYSTEM_PACKAGES": "1",
-    "PIP_ROOT_USER_ACTION": "ignore",
-    "PIP_NO_CACHE_DIR": "1",
-    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-    "PIP_PROGRESS_BAR": "off",
-}
-#: The build host's trust store. Build steps use the host's network, so they trust what it trusts
-#: (a TLS-intercepting egress proxy's CA, say): a copy is offered at /run/space-build/ (a tmpfs of
-#: the step) through SSL_CERT_FILE, PIP_CERT, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE and GIT_SSL_CAINFO,
-#: leaving the template's own trust store as its packages made it.
-HOST_CA: Final = "/etc/ssl/certs/ca-certificates.crt"
-
-# -- the scripts ----------------------------------------------------------------------------------
-
-# The base template's user and mount points; runs inside the new root (chroot). Arguments, never
-# interpolation: user and home come from a spec.
-BASE_CONFIGURE: Final = r"""
-set -eu
-user="$1" home="$2" uid="$3"
-if ! getent passwd "$user" >/dev/null; then
-    useradd --create-home --home-dir "$home" --shell /bin/bash --uid "$uid" --user-group "$user"
-fi
-mkdir -p "$home"
-chown "$user:$user" "$home"
-# Mount point for the guest agent, bound in by the runtime.
-mkdir -p /opt/space/guest
-# Identity and name resolution are per sandbox (the runtime provides them), not per template;
-# debootstrap copied the build host's.
-rm -f /etc/hostname /etc/machine-id /var/lib/dbus/machine-id
-: > /etc/resolv.conf
-printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > /etc/hosts
-"""
-
-BASE_CLEAN: Final = r"""
-set -eu
-apt-get clean
-rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/debconf/*-old /var/lib/dpkg/*-old
-rm -rf /var/log/*.log /var/log/apt/* /tmp/* /var/tmp/*
-"""
-
-# Runs on the host inside the step's new namespaces: mount what the step needs, then chroot. The
-# paths checked are inside the template; a symlink there must not redirect a mount onto the host.
-ENTER: Final = r"""
-set -eu
-t="$1"; shift
-for d in proc dev etc; do
-    if [ -L "$t/$d" ] || [ ! -d "$t/$d" ]; then
-        echo "space-build: /$d is not a directory in the template" >&2
-        exit 97
-    fi
-done
-mount -t proc proc "$t/proc"
-mount --rbind /dev "$t/dev"
-if [ -L "$t/etc/resolv.conf" ]; then rm -f "$t/etc/resolv.conf"; fi
-[ -e "$t/etc/resolv.conf" ] || : > "$t/etc/resolv.conf"
-mount --bind /etc/resolv.conf "$t/etc/resolv.conf"
-if [ -f "$HOST_CA" ] && [ -d "$t/run" ] && [ ! -L "$t/run" ]; then
-    mount -t tmpfs -o mode=0755,size=64m space-build "$t/run"
-    mkdir -p "$t/run/lock" "$t/run/space-build"
-    cp "$HOST_CA" "$t/run/space-build/ca-certificates.crt"
-    ca=/run/space-build/ca-certificates.crt
-    exec chroot "$t" /usr/bin/env -i SSL_CERT_FILE=$ca PIP_CERT=$ca REQUESTS_CA_BUNDLE=$ca CURL_CA_BUNDLE=$ca \
-        GIT_SSL_CAINFO=$ca "$@"
-fi
-exec chroot "$t" /usr/bin/env -i "$@"
-"""
-
-# No service may start during a build (there is no init; and the PID namespace would kill it).
-APT: Final = r"""
-set -eu
-if [ ! -e /usr/sbin/policy-rc.d ]; then
-    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
-    chmod 0755 /usr/sbin/policy-rc.d
-fi
-apt-get -q update
-apt-get -q install -y --no-install-recommends -o Dpkg::Progress-Fancy=0 "$@"
-"""
-
-PIP: Final = r"""
-set -eu
-if ! python3 -m pip --version >/dev/null 2>&1; then
-    echo "installing python3-pip"
-    # The apt step's lists are still there (the clean step comes last).
-    ls /var/lib/apt/lists/*_Packages >/dev/null 2>&1 || apt-get -q update
-    apt-get -q install -y --no-install-recommends -o Dpkg::Progress-Fancy=0 python3-pip
-fi
-python3 -m pip install "$@"
-"""
-
-WRITE: Final = r"""
-set -eu
-dest="$1" mode="$2"
-mkdir -p -- "$(dirname -- "$dest")"
-cat > "$dest"
-chmod "$mode" "$dest"
-"""
-
-CONFIGURE: Final = r"""
-set -eu
-user="$1" workdir="$2"
-if [ -n "$user" ] && ! getent passwd "$user" >/dev/null; then
-    useradd --create-home --shell /bin/bash --user-group "$user"
-fi
-if [ -n "$workdir" ] && [ ! -d "$workdir" ]; then
-    mkdir -p "$workdir"
-    if [ -n "$user" ]; then chown "$user:" "$workdir"; fi
-fi
-"""
-
-CLEAN: Final = r"""
-set -eu
-apt-get clean
-rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/debconf/*-old /var/lib/dpkg/*-old
-rm -rf /var/log/apt/* /tmp/* /var/tmp/* /root/.cache
-"""
-
-# -- argument checks ------------------------------------------------------------------------------
+#: The extended attribute that marks a tree as a build this helper began (``trusted.*``: only a
+#: process with CAP_SYS_ADMIN in the host's namespace can read or write it).
+BUILD_XATTR: Final = "trusted.space.build"
+_IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+TAIL_LINES: Final = 40
 
 
 def is_work(value: str) -> bool:
     return WORK_RE.fullmatch(value) is not None
 
 
-def is_home(value: str) -> bool:
-    return (value.startswith("/") and str(PurePosixPath(value)) == value
-            and ".." not in PurePosixPath(value).parts and HOME_RE.fullmatch(value) is not None)
+@dataclass
+class _Build:
+    token: bytes
+    #: ``empty`` (begun from nothing: debootstrap next), ``bootstrapping``, ``ready`` (a root:
+    #: scripts, steps and files), ``failed`` (a debootstrap that did not finish: delete it).
+    stage: str
 
 
-def is_abs_path(value: str) -> bool:
-    try:
-        check_abs_path(value, "path")
-    except SpaceError:
-        return False
-    return True
-
-
-def is_env_entry(value: str) -> bool:
-    name, eq, _ = value.partition("=")
-    return bool(eq) and _ENV_NAME.fullmatch(name) is not None
-
-
-def _fullmatch(pattern: re.Pattern[str]) -> Callable[[str], bool]:
-    return lambda v: pattern.fullmatch(v) is not None
-
-
-def _args_of(count: int, *checks: Callable[[str], bool]) -> Callable[[tuple[str, ...]], bool]:
-    return lambda args: len(args) == count and all(c(a) for c, a in zip(checks, args, strict=True))
-
-
-@dataclass(frozen=True)
-class _Script:
-    text: str
-    args_ok: Callable[[tuple[str, ...]], bool]
-    what: str
-    #: Base scripts run with CHROOT_ENV added to the helper's environment (as debootstrap does);
-    #: build scripts with exactly BUILD_ENV (``env -i``).
-    clean_env: bool
-    extra: tuple[str, ...] = ()
-
-
-SCRIPTS: Final[dict[str, _Script]] = {
-    "base_configure": _Script(BASE_CONFIGURE, _args_of(2, _fullmatch(_USER), is_home), "user, home",
-                              clean_env=False, extra=(str(USER_UID),)),
-    "base_clean": _Script(BASE_CLEAN, _args_of(0), "no arguments", clean_env=False),
-    "configure": _Script(CONFIGURE, _args_of(2, lambda v: not v or _USER.fullmatch(v) is not None,
-                                             lambda v: not v or is_abs_path(v)),
-                         "user or '', workdir or ''", clean_env=True),
-    "clean": _Script(CLEAN, _args_of(0), "no arguments", clean_env=True),
-}
-#: $0 of each script, as the build logs name it.
-_SCRIPT_NAMES: Final = {"base_configure": "configure", "base_clean": "clean", "configure": "configure",
-                        "clean": "clean"}
-STEP_KINDS: Final = ("apt", "pip", "run")
-
-
-@dataclass(frozen=True)
-class DebootstrapArgs:
-    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
-    suite: str = field(metadata=check(_fullmatch(_SUITE), "a Debian suite name"))
-    mirror: str = field(metadata=check(_fullmatch(MIRROR_RE), "an http(s):// or file:// URL"))
-    packages: tuple[str, ...] = field(default=(), metadata=check(_fullmatch(_PACKAGE), "Debian package names"))
-
-
-@dataclass(frozen=True)
-class ScriptArgs:
-    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
-    script: str = field(metadata=check(lambda v: v in SCRIPTS, f"one of {', '.join(SCRIPTS)}"))
-    args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StepArgs:
-    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
-    kind: str = field(metadata=check(lambda v: v in STEP_KINDS, " or ".join(STEP_KINDS)))
-    args: tuple[str, ...] = ()
-    #: ``NAME=value`` entries added to the step's environment.
-    env: tuple[str, ...] = field(default=(), metadata=check(is_env_entry, "NAME=value entries"))
-
-
-@dataclass(frozen=True)
-class WriteArgs:
-    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
-    dest: str = field(metadata=check(is_abs_path, "a normalized absolute path"))
-    mode: str = field(metadata=check(_fullmatch(_MODE), "four octal digits"))
-
-
-def _step_args_ok(kind: str, args: tuple[str, ...]) -> bool:
-    if kind == "apt":
-        return bool(args) and all(_PACKAGE.fullmatch(a) for a in args)
-    if kind == "pip":
-        return bool(args) and all(_PIP.fullmatch(a) for a in args)
-    return len(args) == 1 and bool(args[0].strip())  # run: one shell command
-
-
-# -- the work tree --------------------------------------------------------------------------------
-
+#: The builds this helper began, by work tree.
+_BUILDS: dict[str, _Build] = {}
 #: Work trees a build verb is running on: one at a time per tree.
 _busy: set[str] = set()
 
@@ -288,108 +105,276 @@ def _exclusive(work: str) -> Iterator[None]:
         _busy.discard(work)
 
 
-def _work_path(ctx: HelperContext, work: str) -> str:
-    """The host path of the work subvolume, resolved confined and checked to be that subvolume.
-
-    The tools take a path, and ``tmp/`` is root-only, so the path cannot be swapped under them.
-    """
+def _open_work(ctx: HelperContext, work: str, *stages: str) -> int:
+    """An ``O_RDONLY`` descriptor of the work subvolume, once it is proven to be the build this
+    helper began under that name, in one of ``stages``; refused (InvalidPath, or Conflict for a
+    build in the wrong stage) otherwise."""
     with PoolRoot.open(verbs_pool.pool_root_of(ctx)) as pool, pool.resolve(work) as r:
         fd = verbs_pool._open_subvolume(r)
-        try:
-            path = r.host_path()
-            held = os.fstat(fd)
-            seen = os.stat(path, follow_symlinks=False)
-            if (held.st_dev, held.st_ino) != (seen.st_dev, seen.st_ino):
-                raise InvalidPath(f"{work} moved while it was resolved", path=work)
-        finally:
-            os.close(fd)
-    return path
-
-
-def _clear_mounts(ctx: HelperContext, target: str) -> None:
-    with PoolRoot.open(verbs_pool.pool_root_of(ctx)) as pool:
-        verbs_pool._unmount_beneath(pool, target)
-
-
-async def _after_failure(ctx: HelperContext, target: str) -> None:
-    """A killed or failed debootstrap leaves its target's /proc mounted: clear it (shielded)."""
     try:
-        await asyncio.shield(asyncio.to_thread(_clear_mounts, ctx, target))
-    except SpaceError as exc:
-        log.warning("template.unmount_failed", target=target, error=exc.message)
+        build = _BUILDS.get(work)
+        try:
+            mark = os.getxattr(fd, BUILD_XATTR)
+        except OSError:
+            mark = b""
+        if build is None or not secrets.compare_digest(mark, build.token):
+            raise InvalidPath(f"{work} is not a build this helper began (template.begin)", path=work)
+        if build.stage not in stages:
+            raise Conflict(f"{work} is {build.stage}: this verb needs it {' or '.join(stages)}", path=work,
+                           stage=build.stage)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-# -- verbs ----------------------------------------------------------------------------------------
+# -- template.begin -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeginArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    #: The template to start from (a writable snapshot of it); None: an empty tree (debootstrap).
+    base: str | None = field(default=None, metadata=check(fullmatch(BASE_RE), "templates/<name>@<digest16>"))
+
+
+def _begin(ctx: HelperContext, work: str, base: str | None) -> None:
+    token = secrets.token_bytes(32)
+    with PoolRoot.open(verbs_pool.pool_root_of(ctx)) as pool:
+        src = None
+        if base is not None:
+            with pool.resolve(base) as b:
+                src = verbs_pool._open_subvolume(b)
+        try:
+            if src is not None and not ioc.is_readonly(src):
+                raise Conflict(f"a build starts from a published (read-only) template, not {base}", path=base)
+            # tmp/ is made by the pool's open; never created here through a path the agent could own.
+            with pool.resolve(work) as w:
+                if w.lstat() is not None:
+                    raise Conflict(f"already exists: {work} (delete it first)", path=work)
+                try:
+                    if src is None:
+                        ioc.subvol_create(w.parent_fd, w.name)
+                    else:
+                        ioc.snapshot(src, w.parent_fd, w.name, readonly=False)
+                except OSError as exc:
+                    raise verbs_pool._os_failure(exc, "cannot create the build tree", work) from None
+                fd = verbs_pool._open_subvolume(w)
+            try:
+                os.setxattr(fd, BUILD_XATTR, token)
+                if src is None:
+                    os.fchmod(fd, 0o755)
+            finally:
+                os.close(fd)
+        finally:
+            if src is not None:
+                os.close(src)
+        _prune(pool)
+    _BUILDS[work] = _Build(token, "empty" if base is None else "ready")
+
+
+def _prune(pool: PoolRoot) -> None:
+    """Forget the builds whose trees are gone (deleted by their caller): the record stays as small
+    as the number of builds in flight."""
+    for work in list(_BUILDS):
+        with pool.resolve(work) as r:
+            if r.lstat() is None:
+                del _BUILDS[work]
+
+
+@verb("template.begin", BeginArgs, cap=60)
+async def template_begin(ctx: HelperContext, args: BeginArgs, call: Call) -> dict[str, Any]:
+    """Start a build: the work tree, made here and recorded (see the module docstring)."""
+    with _exclusive(args.work):
+        await asyncio.to_thread(_begin, ctx, args.work, args.base)
+    return {}
+
+
+# -- template.debootstrap ---------------------------------------------------------------------------
+
+#: debootstrap's first stage, on the host: the fresh tree (fd ``$1``) bound onto a root-only mount
+#: point (``$2``) in a mount namespace of its own (it vanishes with the command), so debootstrap's
+#: many path walks only ever meet root's directories and the tree the helper made.
+FIRST_STAGE = (
+    "unshare", "--mount", "--propagation", "private", "bash", "-c",
+    'root=$1 at=$2; shift 2; mount --bind "/proc/self/fd/$root" "$at" && exec {root}<&- "$@"',
+    "space-debootstrap",
+)
+
+
+@dataclass(frozen=True)
+class DebootstrapArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    suite: str = field(metadata=check(fullmatch(_SUITE), "a Debian suite name"))
+    mirror: str = field(metadata=check(fullmatch(MIRROR_RE), "an http(s):// or file:// URL"))
+    packages: tuple[str, ...] = field(default=(), metadata=check(fullmatch(_PACKAGE), "Debian package names"))
+
+
+def mirrors_of(ctx: HelperContext) -> tuple[str, ...]:
+    return tuple(m.rstrip("/") for m in (ctx.mirrors or (DEFAULT_MIRROR,)))
 
 
 @verb("template.debootstrap", DebootstrapArgs, cap=DEBOOTSTRAP_CAP, streaming=True)
 async def template_debootstrap(ctx: HelperContext, args: DebootstrapArgs, call: Call) -> dict[str, Any]:
-    """A minbase Debian into the (empty) work subvolume; lines stream, the exit code is returned."""
+    """A minbase Debian into the empty tree ``template.begin`` made: the first stage on the host,
+    the second in a build sandbox without network; lines stream, the exit code is returned."""
+    if args.mirror.rstrip("/") not in mirrors_of(ctx):
+        raise InvalidRequest(f"mirror {args.mirror} is not one this node builds from "
+                             f"({', '.join(mirrors_of(ctx))}; the operator sets them)", mirror=args.mirror)
     with _exclusive(args.work):
-        target = await asyncio.to_thread(_work_path, ctx, args.work)
-        deb_cache = ctx.cache_dir / "debootstrap"
-        deb_cache.mkdir(parents=True, exist_ok=True)
-        argv = ["debootstrap", "--variant=minbase", f"--cache-dir={deb_cache}"]
+        fd = await asyncio.to_thread(_open_work, ctx, args.work, "empty")
+        try:
+            if os.listdir(fd):
+                raise Conflict(f"{args.work} is not empty: debootstrap only fills a fresh tree", path=args.work)
+            build = _BUILDS[args.work]
+            build.stage = "bootstrapping"
+            rc = await _first_stage(ctx, fd, args, call)
+            if rc == 0:
+                rc = await build_sandbox.run(ctx, fd, ["/debootstrap/debootstrap", "--second-stage"], BASE_ENV,
+                                             on_line=call.line, timeout=DEBOOTSTRAP_CAP)
+            build.stage = "ready" if rc == 0 else "failed"
+        except BaseException:
+            if args.work in _BUILDS:
+                _BUILDS[args.work].stage = "failed"
+            raise
+        finally:
+            os.close(fd)
+    return {"returncode": rc}
+
+
+async def _first_stage(ctx: HelperContext, fd: int, args: DebootstrapArgs, call: Call) -> int:
+    deb_cache = ctx.cache_dir / "debootstrap"
+    deb_cache.mkdir(parents=True, exist_ok=True)
+    stage = ctx.data_dir / "build-bundles" / f"debootstrap-{secrets.token_hex(8)}"
+    stage.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(stage.parent, 0o700)
+    stage.mkdir(mode=0o700)
+    try:
+        argv = ["debootstrap", "--foreign", "--variant=minbase", f"--cache-dir={deb_cache}"]
         if args.packages:
             argv.append(f"--include={','.join(args.packages)}")
-        argv += [args.suite, target, args.mirror]
-        try:
-            rc = await privileged.stream_lines(*argv, on_line=call.line, timeout=DEBOOTSTRAP_CAP, env=CHROOT_ENV)
-        except BaseException:
-            await _after_failure(ctx, target)
-            raise
-        if rc != 0:
-            await _after_failure(ctx, target)
-        return {"returncode": rc}
+        argv += [args.suite, str(stage), args.mirror]
+        return await privileged.stream_lines(*FIRST_STAGE, str(fd), str(stage), *argv, on_line=call.line,
+                                             timeout=DEBOOTSTRAP_CAP, env=dict(BASE_ENV), pass_fds=(fd,))
+    finally:
+        with contextlib.suppress(OSError):
+            stage.rmdir()
+
+
+# -- template.script / template.step --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScriptArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    script: str = field(metadata=check(lambda v: v in SCRIPTS, f"one of {', '.join(SCRIPTS)}"))
+    args: tuple[str, ...] = ()
 
 
 @verb("template.script", ScriptArgs, cap=SCRIPT_CAP)
 async def template_script(ctx: HelperContext, args: ScriptArgs, call: Call) -> dict[str, Any]:
-    """One of :data:`SCRIPTS` with ``/bin/sh -c`` in a chroot of the work tree (no network, no
-    /proc: these only edit files); a failure raises RuntimeFailure with the stderr tail."""
+    """One of the fixed scripts, in a build sandbox without network; a failure raises
+    RuntimeFailure with the output's tail."""
     script = SCRIPTS[args.script]
     if not script.args_ok(args.args):
         raise InvalidRequest(f"script {args.script} takes {script.what}", script=args.script)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    async def keep(line: str) -> None:
+        tail.append(line)
+
+    argv = ["/bin/sh", "-c", script.text, script.name, *args.args, *script.extra]
     with _exclusive(args.work):
-        target = await asyncio.to_thread(_work_path, ctx, args.work)
-        name = _SCRIPT_NAMES[args.script]
-        if script.clean_env:
-            argv = ["chroot", target, "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in BUILD_ENV.items()),
-                    "/bin/sh", "-c", script.text, name, *args.args, *script.extra]
-            await privileged.run(*argv, timeout=SCRIPT_CAP)
-        else:
-            argv = ["chroot", target, "/bin/sh", "-c", script.text, name, *args.args, *script.extra]
-            await privileged.run(*argv, timeout=SCRIPT_CAP, env=CHROOT_ENV)
+        fd = await asyncio.to_thread(_open_work, ctx, args.work, "ready")
+        try:
+            rc = await build_sandbox.run(ctx, fd, argv, script.env(), on_line=keep, timeout=SCRIPT_CAP)
+        finally:
+            os.close(fd)
+    if rc != 0:
+        out = "\n".join(tail)
+        last = next((t for t in reversed(tail) if t.strip()), "no output")
+        raise RuntimeFailure(f"build script {args.script} failed (exit {rc}): {last}", script=args.script,
+                             returncode=rc, stderr=out)
     return {}
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    kind: str = field(metadata=check(lambda v: v in STEP_KINDS, " or ".join(STEP_KINDS)))
+    args: tuple[str, ...] = ()
+    #: ``NAME=value`` entries added to the step's environment.
+    env: tuple[str, ...] = field(default=(), metadata=check(is_env_entry, "NAME=value entries"))
+    #: The node's sandbox network the step runs on (its only way out: the egress gateway, where the
+    #: agent registered it with the build policy); None: no network.
+    net: int | None = field(default=None, metadata=check(lambda v: 1 <= v <= MAX_INDEX, f"1..{MAX_INDEX}"))
 
 
 @verb("template.step", StepArgs, cap=STEP_CAP, streaming=True)
 async def template_step(ctx: HelperContext, args: StepArgs, call: Call) -> dict[str, Any]:
-    """An apt install, a pip install or one shell command inside the work tree, in private mount and
-    PID namespaces (``/proc``, ``/dev``, the host's resolv.conf and CA; all gone with the step's
-    last process); lines stream, the exit code is returned."""
-    if not _step_args_ok(args.kind, args.args):
+    """An apt install, a pip install or one shell command in a build sandbox over the work tree;
+    lines stream, the exit code is returned."""
+    if not step_args_ok(args.kind, args.args):
         what = {"apt": "Debian package names", "pip": "pip requirements", "run": "exactly one command"}
         raise InvalidRequest(f"a {args.kind} step takes {what[args.kind]}", kind=args.kind)
-    env = dict(BUILD_ENV)
-    if args.kind == "pip":
-        env.update(PIP_ENV)
-    env.update({name: value for name, _, value in (entry.partition("=") for entry in args.env)})
-    script_args: tuple[str, ...] = args.args
-    if args.kind == "run":
-        script, script_args = "set -e\n" + args.args[0], ()
-    else:
-        script = APT if args.kind == "apt" else PIP
+    argv, env = step_command(args.kind, args.args, args.env)
     with _exclusive(args.work):
-        target = await asyncio.to_thread(_work_path, ctx, args.work)
-        argv = [
-            "unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--",
-            "/bin/sh", "-c", ENTER, "space-build", target,
-            *(f"{k}={v}" for k, v in env.items()),
-            "/bin/sh", "-c", script, "space-step", *script_args,
-        ]
-        rc = await privileged.stream_lines(*argv, on_line=call.line, timeout=STEP_CAP, env={"HOST_CA": HOST_CA})
+        fd = await asyncio.to_thread(_open_work, ctx, args.work, "ready")
+        try:
+            rc = await build_sandbox.run(ctx, fd, argv, env, on_line=call.line, timeout=STEP_CAP, net=args.net)
+        finally:
+            os.close(fd)
     return {"returncode": rc}
+
+
+# -- template.write_file --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WriteArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    dest: str = field(metadata=check(is_abs_path, "a normalized absolute path"))
+    mode: str = field(metadata=check(fullmatch(_MODE), "four octal digits"))
+
+
+def _write(tree: int, dest: str, mode: int, src: int) -> None:
+    """``src``'s content to ``dest`` of the tree, as root, mode ``mode``; missing directories are
+    made (0755). Paths resolve as if the tree were ``/``: its symlinks stay inside it."""
+    parts = dest.strip("/").split("/")
+    parent = os.dup(tree)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = openat2(parent, part, _DIR, _IN_ROOT)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=parent)
+                nxt = openat2(parent, part, _DIR, _IN_ROOT)
+            os.close(parent)
+            parent = nxt
+        name = parts[-1]
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                raise Conflict(f"{dest} is a directory in the template", dest=dest)
+            os.unlink(name, dir_fd=parent)  # a symlink is replaced, never written through
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=parent)
+        try:
+            while chunk := os.read(src, 1 << 20):
+                os.write(out, chunk)  # a regular file on btrfs: no short writes
+            os.fchmod(out, mode)
+        finally:
+            os.close(out)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENOENT):
+            # ENOENT: a symlink on the way that leads nowhere (inside the tree).
+            raise InvalidPath(f"cannot write {dest}: a component is not a directory in the template",
+                              dest=dest) from None
+        raise RuntimeFailure(f"cannot write {dest} into the template: {os.strerror(exc.errno or 0)}",
+                             dest=dest) from None
+    finally:
+        os.close(parent)
 
 
 @verb("template.write_file", WriteArgs, cap=SCRIPT_CAP, fds=("stdin",))
@@ -398,12 +383,50 @@ async def template_write_file(ctx: HelperContext, args: WriteArgs, call: Call) -
     src = call.fds.get("stdin")
     if src is None:
         raise InvalidRequest("template.write_file needs the file passed as 'stdin'")
+    if not stat.S_ISREG(os.fstat(src).st_mode):
+        # A pipe could hold the copying thread forever (a timeout cancels the wait, not the read).
+        raise InvalidRequest("template.write_file copies a regular file, not a pipe or a device")
     with _exclusive(args.work):
-        target = await asyncio.to_thread(_work_path, ctx, args.work)
-        argv = ["chroot", target, "/bin/sh", "-c", WRITE, "write", args.dest, args.mode]
-        rc, err = await run_on_fds(argv, stdin=src)
-    if rc != 0:
-        last = err.splitlines()[-1] if err else "no output"
-        raise RuntimeFailure(f"command failed (exit {rc}): {' '.join(argv)}: {last}", argv=argv,
-                             returncode=rc, stderr=err)
+        fd = await asyncio.to_thread(_open_work, ctx, args.work, "ready")
+        try:
+            await asyncio.to_thread(_write, fd, args.dest, int(args.mode, 8), src)
+        finally:
+            os.close(fd)
+    return {}
+
+
+# -- template.finish ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinishArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    #: Where the template is published (a read-only snapshot of the finished tree).
+    dest: str = field(metadata=check(fullmatch(BASE_RE), "templates/<name>@<digest16>"))
+
+
+def _finish(ctx: HelperContext, work: str, dest: str) -> None:
+    # "empty": a builder of the store's other than debootstrap filled it (tests' stand-ins do).
+    fd = _open_work(ctx, work, "ready", "empty")
+    try:
+        os.removexattr(fd, BUILD_XATTR)  # the mark is this helper's, not the template's
+        _BUILDS.pop(work, None)
+        with PoolRoot.open(verbs_pool.pool_root_of(ctx)) as pool, pool.resolve(dest) as d:
+            if d.lstat() is not None:
+                raise Conflict(f"already exists: {dest}", path=dest)
+            try:
+                ioc.snapshot(fd, d.parent_fd, d.name, readonly=True)
+            except OSError as exc:
+                raise verbs_pool._os_failure(exc, "cannot publish to", dest) from None
+    finally:
+        os.close(fd)
+
+
+@verb("template.finish", FinishArgs, cap=60)
+async def template_finish(ctx: HelperContext, args: FinishArgs, call: Call) -> dict[str, Any]:
+    """Publish a finished build: a read-only snapshot of its tree at ``dest`` (the atomic publish:
+    the template only ever appears complete). The work tree is no longer a build; the caller
+    deletes it."""
+    with _exclusive(args.work):
+        await asyncio.to_thread(_finish, ctx, args.work, args.dest)
     return {}
