@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from space import childenv
 from space.errors import NotFound, ObjectTampered, SnapshotCorrupt
 from space.node import artifacts, template_objects
 from space.node.artifacts import MANIFEST, Manifest, snapshot_binding
@@ -196,7 +197,7 @@ async def _template(objects: ObjectStore, keys: ManifestKeys, name: str, digest:
     with tempfile.TemporaryDirectory(prefix="space-migrate-") as tmp:
         local = Path(tmp) / "stream.btrfs.zst"
         await objects.get_to_file(legacy, local)
-        proc = await asyncio.create_subprocess_exec("zstd", "-t", "-q", "--", str(local),
+        proc = await asyncio.create_subprocess_exec("zstd", "-t", "-q", "--", str(local), env=childenv.tool(),
                                                     stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.PIPE)
         _, err = await proc.communicate()

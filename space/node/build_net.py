@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from space.errors import SpaceError
 from space.egress_policy import validate
+from space.errors import SpaceError
 from space.node.egress import Egress
 from space.node.helper.verbs_template import DEFAULT_MIRROR
 
