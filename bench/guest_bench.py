@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.e2e.harness import Server, base_template, free_port
 from tests.guest.guest_harness import HostGuest, RunscGuest, runtime_skip_reason
 

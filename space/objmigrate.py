@@ -38,10 +38,11 @@ from typing import Any
 
 from space import childenv
 from space.errors import NotFound, ObjectTampered, SnapshotCorrupt
-from space.node import artifacts, template_objects
-from space.node.artifacts import MANIFEST, Manifest, snapshot_binding
-from space.node.template_objects import Published
-from space.node.templates import spec_digest
+from space.node.storage import artifacts
+from space.node.storage.artifacts import MANIFEST, Manifest, snapshot_binding
+from space.node.templates import objects as template_objects
+from space.node.templates.objects import Published
+from space.node.templates.store import spec_digest
 from space.objauth import UNAUTHENTICATED, ManifestKeys, check_binding
 from space.objstore import ObjectStore
 from space.store import Snapshot, Store

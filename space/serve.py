@@ -37,9 +37,9 @@ from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling
 from space.errors import NotFound, SpaceError, Unavailable
 from space.httpserver import BoundedHttp
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.node.main import channel_dir_for
-from space.node.templates import BASE_SPEC
+from space.node.templates.store import BASE_SPEC
 from space.objstore import ObjectStore, s3_env
 from space.store import Store, quotas
 from space.web import GracefulServer

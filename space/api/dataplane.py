@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from space.api.state import AppState
 from space.errors import InvalidState, RuntimeFailure, SpaceError, Timeout, Unavailable, from_wire
 from space.lifecycle import WAKE, Action, State, allowed_actions, require
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.store import Operation, Sandbox
 
 log = structlog.get_logger("space.api.dataplane")

@@ -211,7 +211,7 @@ _ID = r"[^/]+"
 def space_body_class(max_upload: int) -> Callable[[Scope], BodyClass]:
     """The body class of a request to SPACE's own API (``/v1``)."""
     from space.api.commands import MAX_STDIN
-    from space.node.template_spec import MAX_BLOB_BYTES
+    from space.node.templates.spec import MAX_BLOB_BYTES
 
     upload = BodyClass("file upload", max_upload)
     streamed: list[tuple[str | None, re.Pattern[str], BodyClass]] = [

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from space.api.auth import Principal, principal
 from space.api.state import AppState, app_state
 from space.errors import SpaceError, Unavailable
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 
 router = APIRouter(prefix="/v1/nodes")
 

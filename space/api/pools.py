@@ -12,7 +12,7 @@ from space.api.auth import Principal, principal
 from space.api.fields import MAX_CPU, MAX_MEMORY_MB, MIN_MEMORY_MB, Int64, Number
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, SpaceError
-from space.node.warm import MAX_SIZE, MEMORY_BUDGET
+from space.node.sandboxes.warm import MAX_SIZE, MEMORY_BUDGET
 from space.store import Node, WarmPool
 
 router = APIRouter(prefix="/v1/pools")

@@ -1,5 +1,5 @@
 """/v1/sandboxes/{id}/ports/{port}/{path}: a request to a server listening in the sandbox (on
-``0.0.0.0:PORT``), passed through its node (:mod:`space.node.port_proxy`) with both bodies streamed.
+``0.0.0.0:PORT``), passed through its node (:mod:`space.node.network.port_proxy`) with both bodies streamed.
 
 :func:`proxy_to_port` is also what the E2B facade calls for its ``E2b-Sandbox-Port`` requests.
 """
@@ -14,7 +14,7 @@ from space.api.auth import Principal, principal
 from space.api.dataplane import SandboxNode, running_sandbox
 from space.api.state import AppState, app_state
 from space.errors import InvalidPath
-from space.node.port_proxy import (
+from space.node.network.port_proxy import (
     METHODS,
     OWN_RESPONSE_HEADERS,
     UPSTREAM_STATUS,

@@ -24,7 +24,7 @@ from space.controller import placement
 from space.controller.egress import egress_config
 from space.errors import Conflict, InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
 from space.lifecycle import Action, State, allowed_actions, require
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.store.quotas import QuotaDemand

@@ -33,9 +33,9 @@ from space.errors import (
     ValidationFailed,
 )
 from space.lifecycle import Action, require
-from space.node import template_spec
-from space.node.pool import check_name
-from space.node.templates import spec_digest, validate_spec
+from space.node.storage.pool import check_name
+from space.node.templates import spec as template_spec
+from space.node.templates.store import spec_digest, validate_spec
 from space.objstore import ObjectStore
 from space.store import Operation, new_snapshot
 

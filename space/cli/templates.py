@@ -11,7 +11,7 @@ from space import errors
 from space import templates as builtin_templates
 from space.cli import output
 from space.cli.context import client
-from space.node import template_spec
+from space.node.templates import spec as template_spec
 from space.sdk import Client
 
 app = typer.Typer(help="List, build and save templates.", no_args_is_help=True)

@@ -26,7 +26,7 @@ from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
 from space.errors import Conflict, Internal, InvalidState, NotFound, ObjectTampered, SpaceError, Unavailable, from_wire
 from space.lifecycle import State
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Store
 from space.store.models import AuditRecord

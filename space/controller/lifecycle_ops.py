@@ -19,7 +19,7 @@ from space.controller.egress import egress_config
 from space.controller.nodes import NodeRegistry
 from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, SnapshotCorrupt, SpaceError
 from space.lifecycle import State
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Sandbox, Snapshot, Store
 from space.store.models import AuditRecord

@@ -9,7 +9,7 @@ import structlog
 
 from space.controller import placement
 from space.errors import NotFound, Unavailable
-from space.node.client import NodeClient
+from space.node.api.client import NodeClient
 from space.store import Node, Store
 
 log = structlog.get_logger("space.controller.nodes")

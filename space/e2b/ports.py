@@ -23,7 +23,7 @@ from space.api.state import AppState
 from space.e2b import tokens
 from space.e2b.edge import EdgeError, http_error, route, sandbox_row, target
 from space.errors import SpaceError
-from space.node.port_proxy import METHODS
+from space.node.network.port_proxy import METHODS
 from space.store import Sandbox
 
 #: Headers that are the facade's business, not the sandbox server's.

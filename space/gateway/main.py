@@ -6,7 +6,7 @@
         [--sandbox-network CIDR]... [--private-ceiling CIDR]...
 
 It runs in its own venv (``make gateway``: mitmproxy pins versions the main venv cannot share), as
-its own unprivileged user when the node agent starts it (:mod:`space.node.gateway`): nothing here
+its own unprivileged user when the node agent starts it (:mod:`space.node.network.gateway`): nothing here
 needs privileges, DNS included (it listens on a high port; nftables redirects the sandboxes' port 53).
 Prints one JSON ready line on stdout once everything listens; SIGTERM/SIGINT stop it cleanly.
 """

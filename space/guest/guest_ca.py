@@ -1,7 +1,7 @@
 """The egress CA into the sandbox's system trust bundle, by the guest itself at boot.
 
 The host writes the deployment's egress CA to ``/usr/local/share/ca-certificates/space-egress-ca.crt``
-before a cold boot (``space.node.rootfs_net``) and never reads the bundle: it is this root's file,
+before a cold boot (``space.node.network.rootfs``) and never reads the bundle: it is this root's file,
 and after a tenant had the root it may hold anything, of any size. Here, inside gVisor, reading it
 risks nothing but this sandbox; still, both files are read only up to a cap (a bundle bigger than
 any real one is left alone, untrusting the CA rather than reading gigabytes), never through a FIFO,

@@ -20,19 +20,19 @@ import uvicorn
 
 from space import childenv
 from space import guest as guest_pkg
-from space.node import build_net
-from space.node.app import create_node_app
-from space.node.egress import Egress
-from space.node.gateway import GatewayHandle
+from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.launch import HelperProcess
 from space.node.helper.verbs import GatewayConfig, HelperContext
-from space.node.network import GatewayPorts, Network
-from space.node.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
-from space.node.pool import Pool, default_reserve
-from space.node.sandboxes import SandboxManager
-from space.node.templates import TemplateStore
-from space.node.warm import WarmPool
+from space.node.network import build_net
+from space.node.network.egress import Egress
+from space.node.network.gateway import GatewayHandle
+from space.node.network.namespaces import GatewayPorts, Network
+from space.node.sandboxes.manager import SandboxManager
+from space.node.sandboxes.warm import WarmPool
+from space.node.storage.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
+from space.node.storage.pool import Pool, default_reserve
+from space.node.templates.store import TemplateStore
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
@@ -64,7 +64,7 @@ class NodeSettings:
     cache_dir: Path = Path("/var/cache/space")
     pool_size_gb: int = 64
     #: MiB of the pool no sandbox may take, kept for the node's own work (snapshots, receives,
-    #: templates); None: 5 % of the pool, at least 1 GiB (:func:`space.node.pool.default_reserve`).
+    #: templates); None: 5 % of the pool, at least 1 GiB (:func:`space.node.storage.pool.default_reserve`).
     pool_reserve_mb: int | None = None
     #: Disk limit of a sandbox whose creator names none (warm sandboxes until claimed), in MiB.
     sandbox_disk_mb: int | None = 10240
@@ -102,7 +102,7 @@ class NodeSettings:
     #: comma-separated; default http://deb.debian.org/debian): the root helper refuses any other.
     build_mirrors: tuple[str, ...] = dataclasses.field(default_factory=build_net.build_mirrors)
     #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
-    #: comma-separated; see space/node/build_net.py).
+    #: comma-separated; see space/node/network/build_net.py).
     build_egress: tuple[str, ...] = dataclasses.field(
         default_factory=lambda: build_net.env_list("SPACE_BUILD_EGRESS"))
     #: TEST ONLY: a JSON file {name: address} the gateway resolves names with instead of DNS.

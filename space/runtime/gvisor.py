@@ -20,7 +20,7 @@ import structlog
 
 from space import childenv
 from space.errors import InvalidPath, RuntimeFailure
-from space.node import privileged
+from space.node.helper import privileged
 from space.node.helper.backend import Privileged
 from space.runtime.base import InstanceHandle, InstanceSpec
 

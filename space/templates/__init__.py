@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Final
 
 from space.errors import NotFound
-from space.node import template_spec
+from space.node.templates import spec as template_spec
 
 _HERE: Final = Path(__file__).resolve().parent
 

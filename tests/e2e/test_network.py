@@ -266,7 +266,7 @@ def test_teardown_leaves_no_network_state(tmp_path: Path) -> None:
     """A node's namespaces, nftables table and gateway go with ``space node teardown``."""
     import subprocess
 
-    from space.node.network import node_tag
+    from space.node.network.namespaces import node_tag
 
     with own_server(tmp_path) as s:
         with s.client() as c:

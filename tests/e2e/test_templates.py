@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from space.config import ServeSettings
-from space.node import template_spec
+from space.node.templates import spec as template_spec
 from tests.e2e.harness import SPACE, Server, create_sandbox, own_server, run
 
 pytestmark = pytest.mark.runtime

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest, connected
 
 

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from space.guest import protocol
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 
 Header = dict[str, Any]
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from space import errors
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest, connected
 
 _ids = itertools.count(1)

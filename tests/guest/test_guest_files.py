@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from space import errors
-from space.node import guest_client
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes import guest_client
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.waiting import await_for
 
 MiB = 1 << 20

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from space import errors
-from space.node import guest_client
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes import guest_client
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest
 from tests.guest.test_guest_exec import cid, collect
 from tests.waiting import await_for

@@ -18,7 +18,7 @@ import pytest
 
 from space import errors
 from space.guest import protocol
-from space.node import guest_client, startup
+from space.node.sandboxes import guest_client, startup
 from space.web import guest_event_to_sse
 from tests.guest.hostile import CommandLog, Header, MiB, Retained, in_thread, out_events, seam, settle
 

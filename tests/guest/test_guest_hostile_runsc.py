@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import pytest
 
 from space import errors
-from space.node import guest_client
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes import guest_client
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.e2e.harness import Server, base_template
 from tests.guest.guest_harness import RunscGuest, connected, runtime_skip_reason
 from tests.guest.hostile import MiB, Retained

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from space import errors
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.e2e.harness import Server, base_template
 from tests.guest.guest_harness import RunscGuest, connected, runtime_skip_reason
 from tests.guest.test_guest_exec import cid, collect, run

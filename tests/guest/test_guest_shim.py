@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from space.guest import protocol
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.guest.guest_harness import HostGuest
 from tests.guest.test_guest_exec import cid, collect
 from tests.guest.test_guest_flow import check_stream, wait_for

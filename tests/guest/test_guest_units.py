@@ -12,7 +12,7 @@ import pytest
 
 from space import errors
 from space.guest import daemon, protocol
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 from tests.guest.guest_harness import DAEMON, HostGuest
 
 

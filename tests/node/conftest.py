@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.pool import Pool
+from space.node.storage.pool import Pool
 from tests.node.poolkit import PoolFactory, btrfs_unavailable
 
 

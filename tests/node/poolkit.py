@@ -1,7 +1,7 @@
 """Helpers for tests that need real btrfs pools: small sparse loop files, always torn down.
 
 Pools are opened and torn down from a private event loop in a helper thread, so one pool can
-serve a whole module of async tests (a :class:`~space.node.pool.Pool` holds no loop state).
+serve a whole module of async tests (a :class:`~space.node.storage.pool.Pool` holds no loop state).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from space.node.pool import Pool
+from space.node.storage.pool import Pool
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from space.node.pool import Pool
-from space.node.snapshots import MIN_FREE_BYTES
+from space.node.storage.pool import Pool
+from space.node.storage.snapshots import MIN_FREE_BYTES
 from tests.node.poolkit import PoolFactory, run_async
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]

@@ -17,7 +17,7 @@ import pytest
 
 from space.errors import Unavailable
 from space.gateway.ca import CERT_FILE, KEY_FILE, ensure_ca
-from space.node.gateway import (
+from space.node.network.gateway import (
     LOGFILE,
     PIDFILE,
     VERSIONFILE,

@@ -22,8 +22,8 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.mountinfo import mounts
-from space.node.pool import Pool
+from space.node.storage.mountinfo import mounts
+from space.node.storage.pool import Pool
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]
 

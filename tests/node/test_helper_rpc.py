@@ -31,8 +31,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from space.errors import Conflict, Internal, InvalidRequest, RuntimeFailure, Timeout, Unavailable
-from space.node import privileged
-from space.node.helper import verbs
+from space.node.helper import privileged, verbs
 from space.node.helper.rpc import HelperClient, HelperServer, serve
 from space.node.helper.verbs import Call, HelperContext, verb
 from tests.waiting import await_exit, await_for

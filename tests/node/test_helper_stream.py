@@ -1,5 +1,5 @@
 """The helper's stream verbs (``stream.send``, ``stream.receive``) through the in-process backend, on
-a real loop btrfs pool, and the agent's zstd side of them (:mod:`space.node.shipping`).
+a real loop btrfs pool, and the agent's zstd side of them (:mod:`space.node.storage.shipping`).
 
 Aspects: a sent stream received elsewhere in the pool is the same read-only tree, keeps a received
 UUID and applies deltas (``-p``); a received stream must hold exactly the subvolume named, else it
@@ -22,10 +22,10 @@ import pytest
 
 from space import objauth
 from space.errors import Conflict, InvalidRequest, NotFound, RuntimeFailure, SnapshotCorrupt
-from space.node import artifacts, shipping, snapshots
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.pool import Pool
+from space.node.storage import artifacts, shipping, snapshots
+from space.node.storage.pool import Pool
 from space.objstore import ObjectStore
 from tests.node.poolkit import PoolFactory
 from tests.waiting import await_for

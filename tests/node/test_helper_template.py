@@ -26,9 +26,9 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.mountinfo import mounts
-from space.node.pool import Pool
-from space.node.templates import BASE_SPEC, DEFAULT_CACHE_DIR, TemplateInfo, TemplateStore
+from space.node.storage.mountinfo import mounts
+from space.node.storage.pool import Pool
+from space.node.templates.store import BASE_SPEC, DEFAULT_CACHE_DIR, TemplateInfo, TemplateStore
 from tests.node.poolkit import run_async
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]

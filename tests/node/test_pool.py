@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from space.errors import Conflict, InvalidPath, InvalidRequest
-from space.node import privileged
-from space.node.mountinfo import mounts
-from space.node.pool import AREAS, Pool, PoolKind
+from space.node.helper import privileged
+from space.node.storage.mountinfo import mounts
+from space.node.storage.pool import AREAS, Pool, PoolKind
 from tests.node.poolkit import PoolFactory, loop_devices_of, run_async
 
 pytestmark = [pytest.mark.runtime, pytest.mark.anyio]
@@ -50,7 +50,7 @@ def test_open_is_idempotent_and_reuses_the_loop_device(pool_factory: PoolFactory
 def test_open_from_another_process_adopts_the_mount(pool_factory: PoolFactory) -> None:
     pool = pool_factory("node")
     code = (
-        "import asyncio, sys; from pathlib import Path; from space.node.pool import Pool;"
+        "import asyncio, sys; from pathlib import Path; from space.node.storage.pool import Pool;"
         "p = asyncio.run(Pool.open(Path(sys.argv[1]))); print('RESULT', p.kind.value, p.device)"
     )
     out = subprocess.run([sys.executable, "-c", code, str(pool.data_dir)],

@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 
 from space.errors import InvalidPath, NotFound
-from space.node.network import SandboxNet
-from space.node.port_proxy import UPSTREAMS, ports_router
+from space.node.network.namespaces import SandboxNet
+from space.node.network.port_proxy import UPSTREAMS, ports_router
 from space.web import install_error_handlers
 from tests.waiting import await_for
 

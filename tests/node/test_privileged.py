@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from space.errors import RuntimeFailure, Timeout
-from space.node import privileged
+from space.node.helper import privileged
 from tests.waiting import await_exit
 
 pytestmark = pytest.mark.anyio

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from space.node import rootfs_net
+from space.node.network import rootfs as rootfs_net
 
 CA = b"-----BEGIN CERTIFICATE-----\nMIIBspaceTESTca\n-----END CERTIFICATE-----\n"
 BUNDLE = b"-----BEGIN CERTIFICATE-----\nX\n-----END CERTIFICATE-----\n"

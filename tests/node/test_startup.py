@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from space.errors import RuntimeFailure
-from space.node.guest_client import GuestConnection
-from space.node.startup import start_and_wait
+from space.node.sandboxes.guest_client import GuestConnection
+from space.node.sandboxes.startup import start_and_wait
 from tests.e2e.harness import free_port
 from tests.guest.fixtures import anyio_backend, conn, guest
 

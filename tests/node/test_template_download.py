@@ -26,10 +26,10 @@ import pytest
 
 from space import objauth
 from space.errors import ObjectTampered, SnapshotCorrupt
-from space.node import template_objects
-from space.node.pool import Pool
-from space.node.template_objects import StreamRef
-from space.node.templates import BASE_SPEC, Progress, TemplateStore, spec_digest
+from space.node.storage.pool import Pool
+from space.node.templates import objects as template_objects
+from space.node.templates.objects import StreamRef
+from space.node.templates.store import BASE_SPEC, Progress, TemplateStore, spec_digest
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from tests.node.poolkit import PoolFactory

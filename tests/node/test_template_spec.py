@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from space.errors import ValidationFailed
-from space.node import template_spec as ts
-from space.node.startup import template_defaults
-from space.node.templates import BASE_SPEC, spec_digest, validate_spec
+from space.node.sandboxes.startup import template_defaults
+from space.node.templates import spec as ts
+from space.node.templates.store import BASE_SPEC, spec_digest, validate_spec
 
 FULL = """
 name = "from-file"

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from space.errors import RuntimeFailure, ValidationFailed
-from space.node import privileged
-from space.node.pool import Pool
-from space.node.templates import (
+from space.node.helper import privileged
+from space.node.storage.pool import Pool
+from space.node.templates.store import (
     BASE_SPEC,
     DEFAULT_CACHE_DIR,
     Progress,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from space.errors import InvalidRequest, NotFound, PoolEmpty, RuntimeFailure
-from space.node.sandboxes import LocalSandbox
-from space.node.warm import BACKOFF_START, PoolKey, WarmPool
+from space.node.sandboxes.manager import LocalSandbox
+from space.node.sandboxes.warm import BACKOFF_START, PoolKey, WarmPool
 from tests.waiting import await_for as _await_for
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ import pytest
 
 from space import objauth
 from space.errors import InvalidRequest, NotFound, ObjectTampered, SnapshotCorrupt
-from space.node.artifacts import (
+from space.node.storage.artifacts import (
     MANIFEST,
     Artifact,
     delete_snapshot,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.artifacts import SingleFlight
+from space.node.storage.artifacts import SingleFlight
 from tests.waiting import await_for
 
 pytestmark = pytest.mark.anyio
@@ -96,7 +96,7 @@ def _blocked_flocks(lock_file: Path) -> int:
 CHILD = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from space.node.artifacts import SingleFlight
+    from space.node.storage.artifacts import SingleFlight
 
     lock_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
 

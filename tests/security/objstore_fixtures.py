@@ -26,7 +26,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
-from space.node.templates import BASE_SPEC, spec_digest
+from space.node.templates.store import BASE_SPEC, spec_digest
 from tests.e2e.harness import NodeAgent, Server, loop_devices, node_scratch, own_server, wait_operation
 from tests.waiting import wait_for
 

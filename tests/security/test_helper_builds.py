@@ -25,9 +25,9 @@ import pytest
 from space.errors import Conflict, InvalidPath, InvalidRequest
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.ownership import give_node_state
-from space.node.pool import Pool
-from space.node.templates import BASE_SPEC, DEFAULT_CACHE_DIR, TemplateInfo, TemplateStore
+from space.node.storage.ownership import give_node_state
+from space.node.storage.pool import Pool
+from space.node.templates.store import BASE_SPEC, DEFAULT_CACHE_DIR, TemplateInfo, TemplateStore
 from tests.node.poolkit import PoolFactory, run_async
 from tests.security.helper_fixtures import agent_pools, anyio_backend, helper_pool, helper_pools
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node import rootfs_net
+from space.node.network import rootfs as rootfs_net
 
 CA = b"-----BEGIN CERTIFICATE-----\nMIIBspaceTESTca\n-----END CERTIFICATE-----\n"
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ CONFIGURE = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 from pathlib import Path
-from space.node import rootfs_net
+from space.node.network import rootfs as rootfs_net
 rootfs_net.configure(Path(sys.argv[1]), "10.208.0.1", sys.argv[2].encode())
 print("configured")
 """

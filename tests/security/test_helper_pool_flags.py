@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from space.node.mountinfo import mounts
-from space.node.pool import Pool, PoolKind
+from space.node.storage.mountinfo import mounts
+from space.node.storage.pool import Pool, PoolKind
 from tests.node.poolkit import PoolFactory, run_async
 from tests.security.helper_fixtures import agent_pools, anyio_backend
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from space.node import gateway as gateway_mod
-from space.node.gateway import GatewayProcess
 from space.node.helper.launch import HelperProcess
 from space.node.helper.verbs import HelperContext
+from space.node.network import gateway as gateway_mod
+from space.node.network.gateway import GatewayProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root makes these sockets")
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from space.errors import Conflict
-from space.node import rootfs_net
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
-from space.node.pool import Pool
+from space.node.network import rootfs as rootfs_net
+from space.node.storage.pool import Pool
 from tests.security.helper_fixtures import anyio_backend, fake_runsc, helper_pool, helper_pools, owner, reset_dir
 
 __all__ = ["anyio_backend", "helper_pool", "helper_pools"]

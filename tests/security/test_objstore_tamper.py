@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from space.node.templates import BASE_SPEC, spec_digest
+from space.node.templates.store import BASE_SPEC, spec_digest
 from tests.e2e.harness import SPACE, NodeAgent, Server, create_sandbox, sh, wait_operation
 from tests.e2e.test_lifecycle import act, count, start_counter, state
 from tests.security.objstore_fixtures import (

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from space import templates
 from space.cli.main import app
 from space.errors import NotFound
-from space.node import template_spec
+from space.node.templates import spec as template_spec
 from space.templates.code_interpreter import server
 
 

@@ -15,7 +15,7 @@ Network: none (``--network=none``), unless the caller names one of the node's sa
 by index. Then the command runs in that network namespace exactly like a sandbox (gVisor's own
 network stack on the namespace's ``eth0``, ``/etc/resolv.conf`` pointing at the node's gateway):
 its only way out is the egress gateway, where the agent registered the build's address with the
-build egress policy (``space.node.build_net``). The gateway passes TLS through untouched, so what
+build egress policy (``space.node.network.build_net``). The gateway passes TLS through untouched, so what
 the build meets upstream is what the host meets (a network that intercepts TLS, say): the host's
 trust store is offered read-only at :data:`HOST_CA_IN_BUILD` (through ``SSL_CERT_FILE``,
 ``PIP_CERT``, ``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE`` and ``GIT_SSL_CAINFO``), leaving the
@@ -42,8 +42,7 @@ from typing import Any
 import structlog
 
 from space.errors import Timeout
-from space.node import privileged
-from space.node.helper import verbs_net
+from space.node.helper import privileged, verbs_net
 from space.node.helper.confine import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 from space.node.helper.verbs import HelperContext
 from space.node.helper.verbs_net import NodeNet

@@ -1,7 +1,7 @@
 """The fixed scripts of template builds and the checks on their arguments.
 
 A caller of the helper's ``template.*`` verbs picks a script by name and gives its arguments, which
-are checked here against the same rules as the template spec (``space.node.template_spec``) before
+are checked here against the same rules as the template spec (``space.node.templates.spec``) before
 anything runs; the texts live here, never with the caller. Each runs as ``/bin/sh -c TEXT NAME
 ARGS...`` inside the build sandbox (:mod:`.build_sandbox`), never on the host.
 """
@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 from typing import Final
 
 from space.errors import SpaceError
-from space.node.template_spec import _ENV_NAME, _PACKAGE, _PIP, _USER, check_abs_path
+from space.node.templates.spec import _ENV_NAME, _PACKAGE, _PIP, _USER, check_abs_path
 
 #: The uid of a debootstrap template's user.
 USER_UID: Final = 1000

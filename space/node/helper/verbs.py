@@ -28,7 +28,7 @@ LineSink = Callable[[str], Awaitable[None]]
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """How the helper runs the node's egress gateway (``space.node.gateway.GatewayProcess``)."""
+    """How the helper runs the node's egress gateway (``space.node.network.gateway.GatewayProcess``)."""
 
     control: Path  # its control socket
     ca_dir: Path

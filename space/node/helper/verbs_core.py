@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from space.node import rootfs_net
 from space.node.helper import verbs
 from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
 from space.node.helper.verbs_net import NodeNet
 from space.node.helper.verbs_runtime import open_dir
+from space.node.network import rootfs as rootfs_net
 
 #: A PEM certificate bundle is public, but it is written into a sandbox's root: keep it bounded.
 MAX_CA_PEM = 64 * 1024

@@ -1,5 +1,5 @@
 """Privileged gateway verbs: the helper starts, watches and stops the node's egress gateway, which
-it runs as its own unprivileged user (:mod:`space.node.gateway`); the agent talks to the running
+it runs as its own unprivileged user (:mod:`space.node.network.gateway`); the agent talks to the running
 gateway through its control socket only."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import structlog
 
 from space.errors import Conflict
-from space.node.gateway import GatewayProcess
 from space.node.helper.verbs import Call, HelperContext, verb
 from space.node.helper.verbs_net import SLOT_RANGE, NodeNet
+from space.node.network.gateway import GatewayProcess
 
 log = structlog.get_logger(__name__)
 

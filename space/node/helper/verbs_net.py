@@ -1,5 +1,5 @@
 """Privileged network verbs: the node's nftables table, the gateway address, per-sandbox
-namespaces and veth pairs (the layout is described in :mod:`space.node.network`).
+namespaces and veth pairs (the layout is described in :mod:`space.node.network.namespaces`).
 
 Every name and address is computed here from the node's tag (derived from the data directory the
 helper was started with) and its slot (``<data>/network.json``, written only here); a caller only
@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from space.errors import Conflict, RuntimeFailure
-from space.node import privileged
+from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, verb
 
 log = structlog.get_logger(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 import structlog
 
 from space.errors import Conflict, InvalidPath, NotFound, RuntimeFailure
-from space.node import privileged
 from space.node.helper import btrfs_ioctl as ioc
+from space.node.helper import privileged
 from space.node.helper.confine import (
     CONFINED,
     PoolRoot,
@@ -31,7 +31,7 @@ from space.node.helper.confine import (
     umount_fd,
 )
 from space.node.helper.verbs import Call, HelperContext, check, verb
-from space.node.mountinfo import mounts
+from space.node.storage.mountinfo import mounts
 
 log = structlog.get_logger(__name__)
 

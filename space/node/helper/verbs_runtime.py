@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from space.errors import Conflict, InsufficientStorage, InvalidPath, InvalidRequest, NotFound, RuntimeFailure
-from space.node import privileged
+from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
 from space.node.helper.verbs_net import MAX_INDEX, NodeNet
 from space.runtime.base import InstanceSpec

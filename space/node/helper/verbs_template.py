@@ -2,7 +2,7 @@
 copies, each on a build work tree ``tmp/build-<name>@<digest16>`` of the pool.
 
 **A build is the helper's own.** ``template.begin`` makes the work subvolume (empty, or a writable
-snapshot of a read-only template) in ``tmp/``, which only root can write (``space.node.ownership``;
+snapshot of a read-only template) in ``tmp/``, which only root can write (``space.node.storage.ownership``;
 the pool verbs refuse to create anything there), marks it with a random token in a ``trusted.*``
 extended attribute (which only root can set or read) and records the token. Every other build
 verb first checks that its work tree carries the token this helper recorded for it, so a tree the
@@ -36,9 +36,8 @@ from typing import Any, Final
 import structlog
 
 from space.errors import Conflict, InvalidPath, InvalidRequest, RuntimeFailure
-from space.node import privileged
 from space.node.helper import btrfs_ioctl as ioc
-from space.node.helper import build_sandbox, verbs_pool
+from space.node.helper import build_sandbox, privileged, verbs_pool
 from space.node.helper.build_scripts import (
     BASE_ENV,
     SCRIPTS,
@@ -52,7 +51,7 @@ from space.node.helper.build_scripts import (
 from space.node.helper.confine import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, PoolRoot, openat2
 from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.helper.verbs_net import MAX_INDEX
-from space.node.template_spec import _MODE, _PACKAGE, _SUITE
+from space.node.templates.spec import _MODE, _PACKAGE, _SUITE
 
 log = structlog.get_logger(__name__)
 

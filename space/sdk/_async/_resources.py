@@ -68,7 +68,7 @@ class AsyncTemplates:
     async def build(self, name: str, spec: JSON | None = None, force: bool = False) -> Operation:
         """Start a build and return its operation without waiting (follow it with ``operations``).
 
-        ``spec`` is a template spec as ``space.node.template_spec.load`` reads it from a
+        ``spec`` is a template spec as ``space.node.templates.spec.load`` reads it from a
         ``space-template.toml`` (its files uploaded with :meth:`put_blob` first); without it the
         template is rebuilt from its stored spec."""
         path = f"/v1/templates/{quote(name, safe='')}/build"

@@ -3,7 +3,7 @@
 A build step (apt, pip, a ``run`` command) runs in a gVisor sandbox (``space.node.helper.
 build_sandbox``) on one of the node's sandbox networks, exactly as a sandbox does: its own network
 namespace and veth, every TCP connection and DNS query redirected to the node's egress gateway
-(``space.node.network``). The gateway knows the build's address with the **build egress policy**:
+(``space.node.network.namespaces``). The gateway knows the build's address with the **build egress policy**:
 
 - the host of every Debian mirror the node builds from (``SPACE_BUILD_MIRRORS``, default
   ``http://deb.debian.org/debian``), ports 80 and 443;
@@ -31,8 +31,8 @@ import structlog
 
 from space.egress_policy import validate
 from space.errors import SpaceError
-from space.node.egress import Egress
 from space.node.helper.verbs_template import DEFAULT_MIRROR
+from space.node.network.egress import Egress
 
 log = structlog.get_logger(__name__)
 

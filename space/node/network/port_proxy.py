@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from space.errors import BadGateway, PortNotOpen
 
 if TYPE_CHECKING:
-    from space.node.sandboxes import SandboxManager
+    from space.node.sandboxes.manager import SandboxManager
 
 log = structlog.get_logger(__name__)
 

@@ -4,9 +4,9 @@ A shipped snapshot is, under its prefix: ``rootfs.btrfs.zst`` (``btrfs send -p <
 snapshot's root: only what the sandbox changed), the memory image files ``checkpoint/<file>`` as
 runsc wrote them (already compressed), and ``manifest.json`` written last, sealed with the
 deployment's manifest key and bound to the tenant, sandbox, snapshot and prefix
-(:mod:`space.node.artifacts`): no manifest, no restore; a manifest that does not open for exactly
+(:mod:`space.node.storage.artifacts`): no manifest, no restore; a manifest that does not open for exactly
 this snapshot, no restore either. Templates travel on their own
-(:meth:`space.node.templates.TemplateStore.publish`) so that a node without one can materialize it;
+(:meth:`space.node.templates.store.TemplateStore.publish`) so that a node without one can materialize it;
 the manifest names the template stream (by the hash of its bytes) the delta was taken against.
 """
 
@@ -25,13 +25,13 @@ import structlog
 
 from space import childenv
 from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
-from space.node import snapshots
-from space.node.artifacts import Artifact, Manifest, download_snapshot, upload_snapshot
-from space.node.pool import Pool
+from space.node.storage import snapshots
+from space.node.storage.artifacts import Artifact, Manifest, download_snapshot, upload_snapshot
+from space.node.storage.pool import Pool
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 
-log = structlog.get_logger("space.node.shipping")
+log = structlog.get_logger("space.node.storage.shipping")
 
 ROOTFS_ARTIFACT = "rootfs.btrfs.zst"
 CHUNK = 1 << 20

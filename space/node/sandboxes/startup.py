@@ -20,7 +20,7 @@ import shlex
 from typing import Any, Final
 
 from space.errors import RuntimeFailure, SpaceError
-from space.node.guest_client import GuestConnection
+from space.node.sandboxes.guest_client import GuestConnection
 
 #: Where the start command's stdout and stderr go, inside the sandbox.
 START_LOG: Final = "/var/log/space-start.log"

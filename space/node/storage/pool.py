@@ -30,10 +30,10 @@ from typing import Any
 import structlog
 
 from space.errors import InvalidPath, InvalidRequest, NotFound, RuntimeFailure
-from space.node import privileged
+from space.node.helper import privileged
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.verbs import HelperContext
-from space.node.mountinfo import Mount, mounts
+from space.node.storage.mountinfo import Mount, mounts
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Builds the templates of space/node/template_spec.py: a base, then apt, pip, files and commands.
+"""Builds the templates of space/node/templates/spec.py: a base, then apt, pip, files and commands.
 
 The base is either debootstrap (the store's builder, as for ``base``) or a writable snapshot of
 another template, materialized first with :meth:`TemplateStore.ensure` (from the pool, the cache,
@@ -7,7 +7,7 @@ object storage, or by building it). The steps are the root helper's ``template.*
 for this build (``template.begin``). Every step that executes the template's own binaries runs in
 a gVisor sandbox (:mod:`space.node.helper.build_sandbox`), never on the host; the apt, pip and run
 steps get a network whose only way out is the node's egress gateway, under the build egress
-policy (:mod:`space.node.build_net`: the Debian mirror, PyPI and what the operator adds). A failed
+policy (:mod:`space.node.network.build_net`: the Debian mirror, PyPI and what the operator adds). A failed
 build leaves nothing behind.
 
 Specs are admin-only.
@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from space.errors import NotFound, RuntimeFailure, SpaceError
-from space.node import shipping, template_spec
 from space.node.helper.backend import Privileged
+from space.node.storage import shipping
+from space.node.templates import spec as template_spec
 
 if TYPE_CHECKING:
-    from space.node.templates import Progress, TemplateStore
+    from space.node.templates.store import Progress, TemplateStore
 
 log = structlog.get_logger(__name__)
 

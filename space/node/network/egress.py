@@ -18,8 +18,8 @@ import structlog
 
 from space.egress_policy import parse_ceiling, validate
 from space.errors import SpaceError
-from space.node.gateway import GatewayHandle
-from space.node.network import Network, SandboxNet
+from space.node.network.gateway import GatewayHandle
+from space.node.network.namespaces import Network, SandboxNet
 
 log = structlog.get_logger(__name__)
 

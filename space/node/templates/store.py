@@ -7,7 +7,7 @@ first:
 1. a ready template with that digest is in the pool → returned as is;
 2. the node's cache holds its exported stream (``<cache>/templates/<name>-<digest>.btrfs.zst``)
    → ``zstd -d`` here into the root helper's ``stream.receive`` (seconds);
-3. object storage holds it (:mod:`space.node.template_objects`: a stream addressed by the hash of
+3. object storage holds it (:mod:`space.node.templates.objects`: a stream addressed by the hash of
    its bytes, named by a manifest sealed with the deployment's key) → downloaded into the cache as
    ``<name>-<digest>-<sha256>.btrfs.zst``, verified, then received;
 4. else it is built (debootstrap, then user and mount points, then cleanup: the helper's
@@ -60,15 +60,18 @@ from space.errors import (
     SpaceError,
     ValidationFailed,
 )
-from space.node import shipping, template_build, template_objects, template_spec
 from space.node.helper import build_scripts, verbs_template
-from space.node.pool import Pool, check_name, file_lock
-from space.node.template_objects import Published, StreamRef
+from space.node.storage import shipping
+from space.node.storage.pool import Pool, check_name, file_lock
+from space.node.templates import build as template_build
+from space.node.templates import objects as template_objects
+from space.node.templates import spec as template_spec
+from space.node.templates.objects import Published, StreamRef
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 
 if TYPE_CHECKING:
-    from space.node.build_net import BuildNetwork
+    from space.node.network.build_net import BuildNetwork
 
 log = structlog.get_logger(__name__)
 
@@ -111,7 +114,7 @@ def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValidationFailed("template spec must be an object")
     spec = copy.deepcopy(spec)
     if template_spec.is_derived(spec) or template_spec.is_saved(spec):
-        # The forms of space/node/template_spec.py: derived from a template, saved from a sandbox.
+        # The forms of space/node/templates/spec.py: derived from a template, saved from a sandbox.
         template_spec.validate_node_spec(spec, validate_spec, digest_of=spec_digest)
         return spec
     missing = [k for k in ("name", "suite", "mirror", "packages", "user", "home") if k not in spec]

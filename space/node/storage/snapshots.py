@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from space.errors import InsufficientStorage, InvalidRequest, NotFound
-from space.node import privileged
-from space.node.pool import Pool, check_name
+from space.node.helper import privileged
+from space.node.storage.pool import Pool, check_name
 
 META_FILE = "snapshot.json"
 KINDS = ("disk", "full")

@@ -38,9 +38,9 @@ import structlog
 
 from space import ids
 from space.errors import InvalidRequest, PoolEmpty, SpaceError
-from space.node.sandboxes import LocalSandbox, SandboxManager
+from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 
-log = structlog.get_logger("space.node.warm")
+log = structlog.get_logger("space.node.sandboxes.warm")
 
 #: Fraction of the node's memory that warm sandboxes' limits may add up to.
 MEMORY_BUDGET: Final = 0.5

@@ -23,18 +23,21 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.node import port_proxy, shipping, snapshots, startup, template_objects
-from space.node.artifacts import read_manifest, snapshot_binding
-from space.node.egress import Egress
-from space.node.guest_client import GuestConnection
-from space.node.network import SandboxNet
-from space.node.pool import Pool
-from space.node.templates import TemplateStore, spec_digest
+from space.node.network import port_proxy
+from space.node.network.egress import Egress
+from space.node.network.namespaces import SandboxNet
+from space.node.sandboxes import startup
+from space.node.sandboxes.guest_client import GuestConnection
+from space.node.storage import shipping, snapshots
+from space.node.storage.artifacts import read_manifest, snapshot_binding
+from space.node.storage.pool import Pool
+from space.node.templates import objects as template_objects
+from space.node.templates.store import TemplateStore, spec_digest
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.runtime.base import InstanceSpec, RuntimeDriver
 
-log = structlog.get_logger("space.node.sandboxes")
+log = structlog.get_logger("space.node.sandboxes.manager")
 
 STATE_FILE = "state.json"
 #: Deleted sandboxes' directories while their removal finishes in the background.

@@ -1,4 +1,4 @@
-"""Save a sandbox's snapshot as a template (the *saved* form of space/node/template_spec.py).
+"""Save a sandbox's snapshot as a template (the *saved* form of space/node/templates/spec.py).
 
 The snapshot's ``rootfs`` (already a read-only subvolume) is snapshotted read-only into
 ``templates/<name>@<digest16>`` -- a metadata operation, no copy -- and recorded with a manifest like
@@ -14,9 +14,10 @@ from typing import Any
 
 import structlog
 
-from space.node import snapshots, template_spec
-from space.node.pool import check_name, file_lock
-from space.node.templates import (
+from space.node.storage import snapshots
+from space.node.storage.pool import check_name, file_lock
+from space.node.templates import spec as template_spec
+from space.node.templates.store import (
     Progress,
     TemplateInfo,
     TemplateStore,

@@ -1,9 +1,9 @@
 """Template specs beyond ``base``: the ``space-template.toml`` format and the spec forms it becomes.
 
-A spec is a JSON object; its digest (:func:`space.node.templates.spec_digest`, sha256 of the
+A spec is a JSON object; its digest (:func:`space.node.templates.store.spec_digest`, sha256 of the
 canonical JSON) names the template, so every key below is part of it. Three forms:
 
-*debootstrap* (the original form; :data:`~space.node.templates.BASE_SPEC` is one)
+*debootstrap* (the original form; :data:`~space.node.templates.store.BASE_SPEC` is one)
     ``name, suite, mirror, packages, user, home`` -- a minbase Debian with ``packages``, user
     ``user`` with home ``home``. A spec with only these keys digests exactly as before.
 
@@ -63,7 +63,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 from space.errors import SpaceError, ValidationFailed
-from space.node.pool import check_name
+from space.node.storage.pool import check_name
 
 SPEC_FILE: Final = "space-template.toml"
 #: The largest file a template may carry (one blob).
@@ -288,7 +288,7 @@ def _table(doc: dict[str, Any], key: str, allowed: set[str]) -> dict[str, Any]:
 
 def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -> ParsedTemplate:
     """The request spec of a parsed TOML document (``base_template`` still a name, if any)."""
-    from space.node.templates import BASE_SPEC  # templates imports this module
+    from space.node.templates.store import BASE_SPEC  # templates imports this module
 
     unknown = sorted(set(doc) - {"name", "base", "build", "start"})
     if unknown:

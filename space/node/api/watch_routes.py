@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel
 
 from space import paths
-from space.node.sandboxes import SandboxManager
+from space.node.sandboxes.manager import SandboxManager
 
 #: Events one poll returns at most (the guest buffers up to 10,000 per watcher).
 MAX_POLL = 10_000

@@ -32,13 +32,15 @@ from space.errors import (
     Unauthorized,
 )
 from space.guest.protocol import MAX_PAYLOAD
-from space.node import snapshots, stats, template_save
-from space.node.egress import Egress
-from space.node.port_proxy import ports_router
-from space.node.sandboxes import LocalSandbox, SandboxManager
-from space.node.templates import TemplateStore
-from space.node.warm import PoolKey, WarmPool, node_memory_mb
-from space.node.watch_routes import watch_router
+from space.node.api.watch_routes import watch_router
+from space.node.network.egress import Egress
+from space.node.network.port_proxy import ports_router
+from space.node.sandboxes import stats
+from space.node.sandboxes.manager import LocalSandbox, SandboxManager
+from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
+from space.node.storage import snapshots
+from space.node.templates import save as template_save
+from space.node.templates.store import TemplateStore
 from space.web import guest_event_to_sse, install_error_handlers, sse
 
 log = structlog.get_logger("space.node.api")

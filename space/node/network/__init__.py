@@ -1,0 +1,1 @@
+"""Per-sandbox network namespaces, the egress gateway's life, the port proxy."""

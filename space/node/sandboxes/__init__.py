@@ -1,0 +1,1 @@
+"""A sandbox's life on the node: runtime instances, the warm pool, the guest channel, usage."""

@@ -1,0 +1,1 @@
+"""Template specs, builds, saves and materialization on the node."""
