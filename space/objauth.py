@@ -31,7 +31,6 @@ from the master key: a node never holds the key that decrypts the tenants' secre
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import json
@@ -42,9 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from space import keytext
 from space.errors import Internal, ObjectTampered
 
-KEY_BYTES = 32
+KEY_BYTES = keytext.KEY_BYTES
 ENV_VAR = "SPACE_MANIFEST_KEY"
 KEY_FILE = "manifest.key"
 FORMAT = 2
@@ -92,18 +92,7 @@ def canonical(value: Any) -> bytes:
 
 
 def parse_keys(text: str, where: str) -> list[bytes]:
-    keys: list[bytes] = []
-    for item in (t for t in re.split(r"[\s,]+", text) if t):
-        try:
-            key = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
-            raise ManifestKeyError(f"{where}: a manifest key is not valid base64") from None
-        if len(key) != KEY_BYTES:
-            raise ManifestKeyError(f"{where}: a manifest key is {len(key)} bytes, expected {KEY_BYTES}")
-        keys.append(key)
-    if not keys:
-        raise ManifestKeyError(f"{where}: no manifest key")
-    return keys
+    return keytext.parse(text, where, what="a manifest key", error=ManifestKeyError)
 
 
 def create_key_file(path: Path) -> bool:

@@ -13,19 +13,18 @@ rather than letting each data dir make its own file.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from space import keytext
 from space.errors import Internal
 
-KEY_BYTES = 32
+KEY_BYTES = keytext.KEY_BYTES
 NONCE_BYTES = 12
 ENV_VAR = "SPACE_MASTER_KEY"
 KEY_FILE = "master.key"
@@ -57,18 +56,7 @@ def encode_key(key: bytes) -> str:
 
 
 def parse_keys(text: str, where: str) -> list[bytes]:
-    keys: list[bytes] = []
-    for item in (t for t in re.split(r"[\s,]+", text) if t):
-        try:
-            key = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
-            raise MasterKeyError(f"{where}: a key is not valid base64") from None
-        if len(key) != KEY_BYTES:
-            raise MasterKeyError(f"{where}: a key is {len(key)} bytes, expected {KEY_BYTES}")
-        keys.append(key)
-    if not keys:
-        raise MasterKeyError(f"{where}: no key")
-    return keys
+    return keytext.parse(text, where, what="a key", error=MasterKeyError)
 
 
 class Keyring:
