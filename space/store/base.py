@@ -1,0 +1,140 @@
+"""What every part of the store shares: the engine and its sessions, the transaction helper, and
+database errors translated to :mod:`space.errors` (the rules are in :mod:`space.store.repo`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Self, TypeVar, cast
+
+import structlog
+from sqlalchemy import CursorResult
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import sessionmaker
+
+from space.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
+from space.store import db
+from space.store.models import Base
+
+# One logger for the whole store, under the name it had when the store was one module.
+log = structlog.get_logger("space.store.repo")
+
+_M = TypeVar("_M", bound=Base)
+
+
+def _rowcount(result: Any) -> int:
+    return cast(CursorResult[Any], result).rowcount
+
+
+class StoreBase:
+    """The connection and transaction machinery the aggregates' classes build on."""
+
+    url: str
+    dialect: str
+
+    def __init__(self, url: str, engine: AsyncEngine) -> None:
+        self.url = url
+        self.dialect = engine.dialect.name
+        self._engine = engine
+        writer = engine.execution_options(**{db.WRITE_OPTION: True})
+        self._sessionmaker = async_sessionmaker(writer, expire_on_commit=False)
+        self._reader = async_sessionmaker(engine, expire_on_commit=False)
+        self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+        self._fast = db.create_sqlite_fast_writer(engine)
+        self._fast_sessions = (
+            sessionmaker(self._fast.execution_options(**{db.WRITE_OPTION: True}), expire_on_commit=False)
+            if self._fast is not None else None
+        )
+
+    @classmethod
+    async def open(cls, url: str) -> Self:
+        """Connect and bring the schema to the newest migration."""
+        with _translate_errors():
+            engine = db.create_engine(url)
+        try:
+            await _translated(db.migrate(engine))
+        except BaseException:
+            await engine.dispose()
+            raise
+        log.debug("store opened", dialect=engine.dialect.name)
+        return cls(url, engine)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+        if self._fast is not None:
+            self._fast.dispose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def _tx(self, *, write: bool = True) -> AsyncIterator[AsyncSession]:
+        if write and self._write_lock is not None:
+            # SQLite has one writer at a time anyway: queueing our own writers here is much
+            # cheaper than letting them poll the file lock in SQLite's busy handler.
+            async with self._write_lock, self._session(write) as s:
+                yield s
+        else:
+            async with self._session(write) as s:
+                yield s
+
+    @contextlib.asynccontextmanager
+    async def _session(self, write: bool) -> AsyncIterator[AsyncSession]:
+        maker = self._sessionmaker if write else self._reader
+        with _translate_errors():
+            async with maker() as s, s.begin():
+                yield s
+
+    def _insert(self, model: type[Base]) -> postgresql.Insert | sqlite.Insert:
+        if self.dialect == "postgresql":
+            return postgresql.insert(model)
+        return sqlite.insert(model)
+
+    async def _get(
+        self, s: AsyncSession, model: type[_M], key: Any, what: str, *, lock: bool = False
+    ) -> _M:
+        row = await s.get(model, key, with_for_update=lock or None)
+        if row is None:
+            raise NotFound(f"{what} {key} not found")
+        return row
+
+
+def _check_choice(what: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise InvalidRequest(f"invalid {what} {value!r}: must be one of {', '.join(allowed)}")
+
+
+def _require_aware(value: dt.datetime, what: str) -> None:
+    if value.tzinfo is None:
+        raise InvalidRequest(f"{what} must be a timezone-aware datetime, got {value!r}")
+
+
+@contextlib.contextmanager
+def _translate_errors() -> Any:
+    try:
+        yield
+    except IntegrityError as e:
+        raise Conflict(f"conflicting row: {_orig(e)}") from e
+    except (OperationalError, InterfaceError) as e:
+        raise Unavailable(f"database unavailable: {_orig(e)}") from e
+    except DBAPIError as e:
+        raise Internal(f"database error: {_orig(e)}") from e
+    except OSError as e:  # asyncpg raises these directly while connecting
+        raise Unavailable(f"database unavailable: {e}") from e
+
+
+async def _translated(aw: Any) -> Any:
+    with _translate_errors():
+        return await aw
+
+
+def _orig(e: DBAPIError) -> str:
+    return str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e)
