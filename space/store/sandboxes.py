@@ -5,7 +5,7 @@ operation on a sandbox, the snapshot it makes and the state it moves to in one t
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import or_, select, update
@@ -160,26 +160,7 @@ class SandboxStore(OperationStore, TenantStore):
         expected = None if expect is None else _states(expect)
         async with self._tx() as s:
             sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
-            current = State(sb.state)
-            if expected is not None and current not in expected:
-                raise InvalidState(
-                    f"sandbox {sandbox_id} is {current.value}, expected "
-                    + " or ".join(sorted(st.value for st in expected)),
-                    state=current.value,
-                    allowed=allowed_actions(current),
-                )
-            new = transition(current, state)
-            now = utcnow()
-            for name, value in fields.items():
-                setattr(sb, name, value)
-            sb.state = new
-            sb.generation += 1
-            sb.updated_at = now
-            if new in _GONE and current not in _GONE:
-                # Whatever deletes it: its E2B tokens (and URLs signed with them) die with it.
-                sb.token_nonce = ids.token_nonce()
-            if new == State.TERMINATED and sb.terminated_at is None:
-                sb.terminated_at = now
+            _move(sb, state, expected, utcnow(), fields)
             return sb
 
     async def update_sandbox(self, sandbox_id: str, **fields: Any) -> Sandbox:
@@ -248,15 +229,7 @@ class SandboxStore(OperationStore, TenantStore):
                     await self._enforce_quota(s, op.tenant, quotas.QuotaDemand(storage=True))
                 sb = await self._get(s, Sandbox, op.target, "sandbox", lock=True)
                 if move_to is not None:
-                    current = State(sb.state)
-                    if expected is not None and current not in expected:
-                        raise InvalidState(
-                            f"sandbox {sb.id} is {current.value}, expected "
-                            + " or ".join(sorted(st.value for st in expected)),
-                            state=current.value, allowed=allowed_actions(current))
-                    sb.state = transition(current, move_to)
-                    sb.generation += 1
-                    sb.updated_at = now
+                    _move(sb, move_to, expected, now)
                 s.add_all([*([snapshot] if snapshot is not None else []), op])
                 return sb, op, True
         except InvalidState:
@@ -273,6 +246,28 @@ class SandboxStore(OperationStore, TenantStore):
 
 #: States of a sandbox that is being or has been deleted.
 _GONE = frozenset({State.TERMINATING, State.TERMINATED})
+
+
+def _move(sb: Sandbox, state: State | str, expected: frozenset[State] | None, now: dt.datetime,
+          fields: Mapping[str, Any] | None = None) -> None:
+    """The one state change of a sandbox row, whichever write makes it: a compare-and-set against
+    ``expected``, the transition the state machine allows, ``fields`` set alongside."""
+    current = State(sb.state)
+    if expected is not None and current not in expected:
+        raise InvalidState(
+            f"sandbox {sb.id} is {current.value}, expected " + " or ".join(sorted(st.value for st in expected)),
+            state=current.value, allowed=allowed_actions(current))
+    new = transition(current, state)
+    for name, value in (fields or {}).items():
+        setattr(sb, name, value)
+    sb.state = new
+    sb.generation += 1
+    sb.updated_at = now
+    if new in _GONE and current not in _GONE:
+        # Whatever deletes it: its E2B tokens (and URLs signed with them) die with it.
+        sb.token_nonce = ids.token_nonce()
+    if new == State.TERMINATED and sb.terminated_at is None:
+        sb.terminated_at = now
 
 
 def _states(expect: State | str | Sequence[State | str]) -> frozenset[State]:

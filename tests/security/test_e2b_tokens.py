@@ -227,6 +227,23 @@ async def test_tokens_die_with_the_sandbox_and_never_serve_its_id_again(store: S
     assert not tokens.check_traffic(secret, reborn, traffic)
 
 
+@pytest.mark.anyio
+async def test_the_delete_the_api_makes_rotates_the_tokens(store: Store) -> None:
+    """The API deletes through start_operation (the state change and its operation in one write):
+    the tokens must die there too, not only in set_sandbox_state."""
+    from space.e2b import tokens
+
+    secret = b"k" * 32
+    sb, _, _ = await store.create_sandbox(new_sandbox(), new_op())
+    sb = await store.get_sandbox(sb.id)
+    envd, traffic = tokens.envd_token(secret, sb), tokens.traffic_token(secret, sb)
+    deleting = new_op(kind="sandbox.delete", target=sb.id)
+    gone, _, created = await store.start_operation(deleting, move_to=State.TERMINATING, expect=[sb.state])
+    assert created and gone.state == State.TERMINATING
+    assert not tokens.check_envd(secret, gone, envd) and not tokens.check_traffic(secret, gone, traffic)
+    assert not tokens.check_envd(secret, await store.get_sandbox(sb.id), envd)
+
+
 def test_token_checks_take_any_input() -> None:
     """Constant-time compares of bytes: a non-ASCII or huge token is a plain refusal."""
     from space.e2b import tokens
