@@ -40,10 +40,9 @@ RAW_BODY: dict[str, Any] = {"requestBody": {"content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 _MUTATING = frozenset({"post", "put", "patch", "delete"})
-#: Reads that check the key's role or tenant (403).
-_ROLE_CHECKED_READS = frozenset({
-    "/v1/audit", "/v1/apikeys", "/v1/nodes", "/v1/tenants/{tenant}/quota", "/v1/tenants/{tenant}/egress",
-})
+#: Reads that check the key's role or tenant (403): the operator's views, and every read of a named
+#: tenant (a key reads only its own), whatever is added under /v1/tenants/{tenant}/ next.
+_ROLE_CHECKED_READS = re.compile(r"^/v1/(audit|apikeys|nodes)$|^/v1/tenants/\{tenant\}/")
 #: Operations that talk to a sandbox's guest through its node: whatever the node answers comes
 #: back (a 502 from a server in the sandbox, 503 without a node, 504 when a wake takes too long,
 #: 507 when the sandbox's disk is full), and the sandbox's state may refuse them (409).
@@ -90,7 +89,7 @@ def error_statuses(method: str, path: str, operation: dict[str, Any]) -> set[int
         out.add(errors.NotFound.status)  # what the path, or the body, names (a template, a snapshot)
     if body:
         out |= {errors.RequestTimeout.status, errors.PayloadTooLarge.status}
-    if method in _MUTATING or path in _ROLE_CHECKED_READS:
+    if method in _MUTATING or _ROLE_CHECKED_READS.search(path):
         out.add(errors.Forbidden.status)
     if method in _MUTATING or path.startswith("/v1/sandboxes/{sandbox_id}/"):
         out.add(errors.Conflict.status)

@@ -3,6 +3,7 @@ in object storage, a full pool."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,9 +92,16 @@ def test_a_damaged_artifact_fails_the_restore_and_the_sandbox_stays_suspended(
 def test_a_full_pool_fails_snapshots_clearly_and_sandboxes_keep_running(tmp_path: Path) -> None:
     with own_server(tmp_path, "--pool-size-gb", "1") as srv, srv.client() as api:
         sid = create_sandbox(api)
-        # Fill the pool from inside the sandbox until the disk says no.
+        # From inside, the sandbox's own disk limit says no before the pool is full (the pool keeps
+        # a reserve no sandbox reaches: tests/security/test_quota_probes.py) ...
         _, _, err = run(api, sid, {"shell": "dd if=/dev/zero of=/home/user/fill bs=1M status=none; sync"})
-        assert b"No space left" in err, err
+        assert b"Disk quota exceeded" in err, err
+        # ... so the rest of the pool is filled from the host, as many sandboxes together would.
+        host_fill = srv.data_dir / "pool" / "host-fill"
+        done = subprocess.run(["dd", "if=/dev/zero", f"of={host_fill}", "bs=1M", "status=none"],
+                              capture_output=True, check=False)
+        subprocess.run(["sync"], check=True)
+        assert b"No space left" in done.stderr, done.stderr
         for kind in ("disk", "full"):
             r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": kind})
             assert r.status_code == 202, r.text
@@ -105,6 +113,7 @@ def test_a_full_pool_fails_snapshots_clearly_and_sandboxes_keep_running(tmp_path
         assert all(s["status"] == "failed" and not s["restorable"] for s in listed), listed
         assert state(api, sid) == "running"
         assert sh(api, sid, "rm /home/user/fill && echo alive") == "alive\n"
+        host_fill.unlink()
         r = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "disk"})
         op = wait_op(api, r.json()["operation"]["id"])
         assert op["status"] == "succeeded", op["error"]  # room again: snapshots work again

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -16,8 +17,20 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session")
+def host_login_shell() -> None:
+    """Commands given as ``shell`` run as ``bash -l`` as this machine's root, through root's login
+    profile: a profile that hangs makes those tests time out for a reason that is not theirs."""
+    try:
+        subprocess.run(["/bin/bash", "-lc", "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=20, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("`bash -lc true` as root did not finish in 20 s: this machine's login profile hangs "
+                    "(e.g. a stale /root/.pyenv/shims/.pyenv-shim lock from an interrupted `pyenv rehash`)")
+
+
 @pytest.fixture
-def guest() -> Iterator[HostGuest]:
+def guest(host_login_shell: None) -> Iterator[HostGuest]:
     g = HostGuest().start()
     try:
         yield g

@@ -183,7 +183,10 @@ async def test_bad_binary_and_cwd(conn: GuestConnection) -> None:
 
 async def test_timeout_kills_process_group(conn: GuestConnection) -> None:
     # exec's `timeout` is spelled kill_after here: request()'s own timeout is the answer deadline.
-    evs, _, _ = await run(conn, shell="sleep 60 & sleep 60; wait", kill_after=0.3)
+    # A plain sh, not `shell=` (bash -l): on the host that runs root's login profile, and a kill in
+    # the middle of it can leave the machine's state half-written (pyenv's rehash lock, left behind,
+    # made every later login shell on the machine wait 60 s).
+    evs, _, _ = await run(conn, argv=["sh", "-c", "sleep 60 & sleep 60; wait"], kill_after=0.3)
     assert evs[-1]["signal"] == 9 and evs[-1]["timed_out"] is True
 
 

@@ -19,6 +19,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -239,6 +240,28 @@ def test_an_attach_token_of_any_text_is_a_401(server: Server, token: str, auth: 
         r = c.get("/v1/sandboxes/sb-x/commands/c-y/events", params={"token": token}, headers=headers)
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "unauthorized"
+
+
+# Ids the API passes on to the node, spelled as nothing SPACE ever names: control characters (the
+# fuzz's 500: the node client refused to build the URL), dot segments, a query or fragment smuggled in.
+_NOT_IDS = {"control": "d\x19\x06", "dot-dot": "..", "dot": ".", "query": "c?x=1", "fragment": "c#x",
+            "percent": "c%2e%2e", "space": "c d", "non-ascii": "\u00e9"}
+
+
+@pytest.mark.parametrize("cid", list(_NOT_IDS.values()), ids=list(_NOT_IDS))
+@pytest.mark.parametrize("suffix", ["", "/events", "/signal"])
+def test_an_id_that_is_no_path_segment_never_reaches_the_node(server: Server, sandbox: str, cid: str,
+                                                             suffix: str) -> None:
+    # Dots too (%2E): the test's own client would remove a literal dot segment before sending.
+    quoted = urllib.parse.quote(cid, safe="").replace(".", "%2E")
+    with server.client() as api:
+        if suffix == "/signal":
+            r = api.post(f"/v1/sandboxes/{sandbox}/commands/{quoted}/signal", json={"signal": "TERM"})
+        else:
+            r = api.get(f"/v1/sandboxes/{sandbox}/commands/{quoted}{suffix}")
+        assert r.status_code == 404, (cid, r.status_code, r.text)
+        assert r.json()["error"]["code"] == "not_found"
+        assert api.get(f"/v1/sandboxes/{sandbox}").status_code == 200  # and the server is fine
 
 
 def _big_int_requests(sandbox: str) -> list[tuple[str, str, dict[str, Any]]]:

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from space.errors import SpaceError, Unavailable, from_wire
+from space.errors import NotFound, SpaceError, Unavailable, from_wire
 from space.errors import Timeout as SpaceTimeout
+
+#: A node API path: segments of the characters SPACE's names and ids are made of, none a dot segment.
+#: Callers put ids from requests into paths (``/v1/sandboxes/{id}/commands/{cid}``); one that is no
+#: such segment (``..``, a ``?`` or ``#``, control characters) would reach another node route, a query
+#: the caller did not write, or a URL the client refuses to build. Such an id names nothing: 404.
+_NODE_PATH = re.compile(r"(?:/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)+")
+
+
+def _checked(path: str) -> str:
+    if _NODE_PATH.fullmatch(path) is None:
+        raise NotFound(f"no such resource: {path[:200]!r} holds a name no resource has")
+    return path
 
 
 class NodeClient:
@@ -35,6 +48,7 @@ class NodeClient:
     async def call(self, method: str, path: str, *, json_body: Any = None,
                    params: dict[str, Any] | None = None, content: Any = None,
                    headers: dict[str, str] | None = None, timeout: float | None = None) -> Any:
+        path = _checked(path)
         try:
             resp = await self._http.request(
                 method, path, json=json_body, params=params, content=content, headers=headers,
@@ -53,7 +67,7 @@ class NodeClient:
     async def open_stream(self, method: str, path: str, *, params: dict[str, Any] | None = None,
                           content: Any = None, headers: dict[str, str] | None = None) -> httpx.Response:
         """Start a streaming request; the caller iterates ``aiter_raw()`` and must ``aclose()``."""
-        req = self._http.build_request(method, path, params=params, content=content, headers=headers,
+        req = self._http.build_request(method, _checked(path), params=params, content=content, headers=headers,
                                        timeout=httpx.Timeout(None, connect=5.0))
         try:
             resp = await self._http.send(req, stream=True)
