@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 
@@ -17,20 +18,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def host_login_shell() -> None:
+@functools.cache
+def _login_shell_hangs() -> bool:
     """Commands given as ``shell`` run as ``bash -l`` as this machine's root, through root's login
     profile: a profile that hangs makes those tests time out for a reason that is not theirs."""
     try:
         subprocess.run(["/bin/bash", "-lc", "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=20, check=False)
     except subprocess.TimeoutExpired:
-        pytest.fail("`bash -lc true` as root did not finish in 20 s: this machine's login profile hangs "
-                    "(e.g. a stale /root/.pyenv/shims/.pyenv-shim lock from an interrupted `pyenv rehash`)")
+        return True
+    return False
 
 
 @pytest.fixture
-def guest(host_login_shell: None) -> Iterator[HostGuest]:
+def guest() -> Iterator[HostGuest]:
+    if _login_shell_hangs():
+        pytest.fail("`bash -lc true` as root did not finish in 20 s: this machine's login profile hangs "
+                    "(e.g. a stale /root/.pyenv/shims/.pyenv-shim lock from an interrupted `pyenv rehash`)")
     g = HostGuest().start()
     try:
         yield g
