@@ -59,7 +59,9 @@ async def proxy_to_port(st: AppState, sb: Sandbox, node: SandboxNode, port: int,
         name, value = k.decode("latin-1"), v.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     query = request.scope.get("query_string", b"").decode("latin-1")
-    resp = await node.open_stream(request.method, _node_target(sb.id, port, path, query),
+    route = f"/v1/sandboxes/{sb.id}/ports/{port}"
+    target = _node_target(sb.id, port, path, query)
+    resp = await node.open_stream(request.method, route, tail=target[len(route):],
                                   content=request.stream() if has_body(request.headers.raw) else None,
                                   headers=headers)
     status = int(resp.headers.get(UPSTREAM_STATUS, resp.status_code))

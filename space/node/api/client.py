@@ -65,9 +65,16 @@ class NodeClient:
         return resp.json()
 
     async def open_stream(self, method: str, path: str, *, params: dict[str, Any] | None = None,
-                          content: Any = None, headers: dict[str, str] | None = None) -> httpx.Response:
-        """Start a streaming request; the caller iterates ``aiter_raw()`` and must ``aclose()``."""
-        req = self._http.build_request(method, _checked(path), params=params, content=content, headers=headers,
+                          content: Any = None, headers: dict[str, str] | None = None,
+                          tail: str = "") -> httpx.Response:
+        """Start a streaming request; the caller iterates ``aiter_raw()`` and must ``aclose()``.
+
+        ``tail`` follows the checked ``path`` as it is: the opaque rest of a port request
+        (``/any/path?query``), which the port proxy has made safe to append (no dot segments, ``?``
+        and ``#`` escaped) and the node hands to the sandbox's server."""
+        if tail and not tail.startswith(("/", "?")):
+            raise ValueError(f"a tail starts with / or ?, got {tail[:40]!r}")
+        req = self._http.build_request(method, _checked(path) + tail, params=params, content=content, headers=headers,
                                        timeout=httpx.Timeout(None, connect=5.0))
         try:
             resp = await self._http.send(req, stream=True)
