@@ -67,10 +67,18 @@ class _Channel:
             _wait(self.shim, 10)
 
 
-#: Starts the daemon the way a parent that ignores or blocks signals would (``nohup``, ``cmd &`` in a
+#: Starts the daemon from the state runsc gives PID 1 (every disposition default, nothing blocked),
+#: then the way a parent that ignores or blocks signals would (``nohup``, ``cmd &`` in a
 #: non-interactive shell, CI runners): dispositions set to SIG_IGN and the signal mask survive exec.
+#: The reset is a raw rt_sigaction: GNU make starts its recipes with glibc's own signals (32 and 33)
+#: ignored, and no libc call, so no Python code (the daemon's included), can change those.
 _INHERIT_SIGNALS = (
-    "import os, signal, sys; ignore, block = sys.argv[1], sys.argv[2]\n"
+    "import ctypes, os, signal, sys; ignore, block = sys.argv[1], sys.argv[2]\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "dfl = (ctypes.c_ulong * 4)()  # struct kernel_sigaction {handler=SIG_DFL, flags, restorer, mask}\n"
+    "for s in range(1, 65):\n"
+    "    if s not in (signal.SIGKILL, signal.SIGSTOP): libc.syscall(13, s, dfl, None, 8)  # x86_64 rt_sigaction\n"
+    "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
     "for s in filter(None, ignore.split(',')): signal.signal(int(s), signal.SIG_IGN)\n"
     "signal.pthread_sigmask(signal.SIG_BLOCK, [int(s) for s in filter(None, block.split(','))])\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
@@ -98,10 +106,8 @@ class HostGuest:
     def start(self) -> HostGuest:
         try:
             with open(self.workdir / "guest.log", "ab") as log:
-                argv = [sys.executable, "-I", "-S", str(DAEMON)]
-                if self.ignored or self.blocked:
-                    argv = [sys.executable, "-c", _INHERIT_SIGNALS, ",".join(map(str, self.ignored)),
-                            ",".join(map(str, self.blocked)), *argv[1:]]
+                argv = [sys.executable, "-c", _INHERIT_SIGNALS, ",".join(map(str, self.ignored)),
+                        ",".join(map(str, self.blocked)), "-I", "-S", str(DAEMON)]
                 self.daemon = subprocess.Popen(
                     argv, stdin=self.chan.to_r,
                     stdout=self.chan.from_w, stderr=log, cwd="/", env=self.env)
