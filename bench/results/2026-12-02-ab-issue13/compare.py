@@ -1,28 +1,45 @@
 #!/usr/bin/env python3
-"""Print p50s of base vs main from /work/ab/*.json: every .p50 leaf (ms or MB/s), both rounds."""
-import json, glob, re, statistics, sys
-from pathlib import Path
+"""The A/B table: every p50 (and MB/s) leaf of ``base-*.json`` against ``main-*.json`` in a directory
+(default: this one), each run's value shown, the ratio of their medians."""
 
-def leaves(x, p=""):
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_WANTED = re.compile(r"(\.p50|mb_per_s)$")
+
+
+def leaves(x: Any, path: str = "") -> Iterator[tuple[str, float]]:
     if isinstance(x, dict):
         for k, v in x.items():
-            yield from leaves(v, f"{p}.{k}" if p else k)
+            yield from leaves(v, f"{path}.{k}" if path else k)
     elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        yield p, float(x)
+        yield path, float(x)
 
-rows = {}
-for f in sorted(glob.glob("/work/ab/*.json")):
-    name = Path(f).stem            # base-1-basic, main-life ...
-    tree = name.split("-")[0]
-    for k, v in leaves(json.load(open(f))):
-        if re.search(r"\.(p50|mb_s|MB_s|mbps)$", k) or k.endswith("p50") or "mb_per_s" in k or "MBps" in k:
-            rows.setdefault(k, {}).setdefault(tree, []).append(v)
-print("| metric | base p50 | main p50 | main/base |\n|---|---|---|---|")
-for k in sorted(rows):
-    b, m = rows[k].get("base"), rows[k].get("main")
-    if not b or not m:
-        continue
-    bm, mm = statistics.median(b), statistics.median(m)
-    ratio = mm / bm if bm else float("nan")
-    fmt = lambda xs: "/".join(f"{x:.1f}" for x in xs)
-    print(f"| {k} | {fmt(b)} | {fmt(m)} | {ratio:.2f} |")
+
+def main() -> None:
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    rows: dict[str, dict[str, list[float]]] = {}
+    for f in sorted(where.glob("*.json")):
+        tree = f.stem.split("-")[0]
+        for k, v in leaves(json.loads(f.read_text())):
+            if _WANTED.search(k):
+                rows.setdefault(k, {}).setdefault(tree, []).append(v)
+    print("| metric | base p50 | main p50 | main/base |\n|---|---|---|---|")
+    for k in sorted(rows):
+        base, main_ = rows[k].get("base"), rows[k].get("main")
+        if not base or not main_:
+            continue
+        b, m = statistics.median(base), statistics.median(main_)
+        shown = ["/".join(f"{x:.1f}" for x in xs) for xs in (base, main_)]
+        print(f"| {k} | {shown[0]} | {shown[1]} | {m / b if b else float('nan'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
