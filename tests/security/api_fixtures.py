@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -108,7 +109,7 @@ def send_until_answered(s: socket.socket, chunks: Iterator[bytes], deadline: flo
                 except BlockingIOError:
                     if _readable(s):
                         return read_answer(s, deadline)
-                    time.sleep(0.01)
+                    select.select([s], [s], [], max(0.0, deadline - time.monotonic()))  # room, or an answer
                     continue
                 except (BrokenPipeError, ConnectionResetError):
                     return read_answer(s, deadline)
@@ -121,8 +122,6 @@ def send_until_answered(s: socket.socket, chunks: Iterator[bytes], deadline: flo
 
 
 def _readable(s: socket.socket) -> bool:
-    import select
-
     return bool(select.select([s], [], [], 0)[0])
 
 

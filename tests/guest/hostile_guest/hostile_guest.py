@@ -134,7 +134,7 @@ def partial() -> None:
     while not _stop.is_set() and sent < total:
         write(b"{")
         sent += 1
-        time.sleep(0.01)
+        _stop.wait(0.01)  # a slow drip (the attack's pace), ended at once by stop
 
 
 def handle(h: dict[str, Any], t0: float) -> None:
@@ -181,8 +181,7 @@ def main() -> None:
         except protocol.ProtocolError:
             continue
         if frame is None:
-            time.sleep(1.0)  # PID 1 never exits: wait for a new channel
-            continue
+            threading.Event().wait()  # the channel is gone for good, and PID 1 never exits
         if frame[0].get("t") == "req":
             handle(frame[0], t0)
 
