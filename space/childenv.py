@@ -68,8 +68,9 @@ ALLOW: Final[Mapping[Role, tuple[str, ...]]] = {
 
 #: Per role, the names a caller may set explicitly (``extra``): values SPACE itself decides.
 EXPLICIT: Final[Mapping[Role, tuple[str, ...]]] = {
-    # debootstrap and the base template's scripts (CHROOT_ENV); build steps get HOST_CA.
-    "tool": ("LC_ALL", "DEBIAN_FRONTEND", "HOST_CA"),
+    # debootstrap's first stage (container=lxc: its target is on the nodev pool) and the base
+    # template's scripts (CHROOT_ENV); build steps get HOST_CA.
+    "tool": ("LC_ALL", "DEBIAN_FRONTEND", "container", "HOST_CA"),
     "runsc": (),
     "shim": ("PYTHONPATH",),
     "helper": (),

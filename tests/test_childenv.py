@@ -129,3 +129,11 @@ def test_read_secrets_validates_and_closes_the_pipe() -> None:
     os.close(w)
     with pytest.raises(Exception, match="want"):
         read_secrets(r)
+
+
+def test_every_environment_the_helper_gives_a_host_tool_is_a_tools() -> None:
+    """What the helper gives the host's debootstrap passes the tool role (``container=lxc`` did not,
+    and every base template build on a machine with no cached one failed)."""
+    from space.node.helper import verbs_template
+
+    assert childenv.tool(verbs_template.FIRST_STAGE_ENV)["container"] == "lxc"

@@ -48,7 +48,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 
 if __package__:
-    from . import guest_ca, protocol
+    from . import guest_ca, guest_caps, protocol
     from .guest_base import GuestError, log, norm_path, os_error
     from .guest_exec import OPS as EXEC_OPS
     from .guest_files import OPS as FS_OPS
@@ -58,6 +58,7 @@ if __package__:
 else:  # run as a script inside the sandbox: protocol.py and the guest_* modules sit beside this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import guest_ca  # type: ignore[no-redef, import-not-found]
+    import guest_caps  # type: ignore[no-redef, import-not-found]
     import protocol  # type: ignore[no-redef, import-not-found]
     from guest_base import GuestError, log, norm_path, os_error  # type: ignore[no-redef, import-not-found]
     from guest_exec import OPS as EXEC_OPS  # type: ignore[no-redef, import-not-found]
@@ -283,6 +284,7 @@ def _warm_imports() -> None:
         import termios  # noqa: F401
     except ImportError:
         pass
+    guest_caps.load()  # ctypes, for the first command's thread to shed CAP_SYS_RESOURCE
 
 
 def op_hello(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:

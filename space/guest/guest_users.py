@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 if __package__:
+    from . import guest_caps
     from .guest_base import GuestError
 else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
+    import guest_caps  # type: ignore[no-redef, import-not-found]
     from guest_base import GuestError  # type: ignore[no-redef, import-not-found]
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
@@ -100,28 +102,38 @@ def spawn_argv(argv: list[str], user: User | None, kw: dict[str, Any], pty: bool
     """Keep subprocess on its vfork path: switching users or taking a controlling terminal in
     Popen itself forces a full fork of this daemon, ~35 ms under gVisor (vfork: ~2 ms). The static
     ``space-spawn`` beside this file (built by the node) does those steps after the exec for ~10 ms;
-    util-linux's setpriv/setsid for ~24 ms; without either, Popen's own slow way is used."""
+    util-linux's setpriv/setsid for ~24 ms; without either, Popen's own slow way is used.
+
+    Whatever the path, the command never holds the daemon's CAP_SYS_RESOURCE (``guest_caps``):
+    this thread sheds it, or a wrapper that drops it comes first, or the command is refused."""
     switch = user is not None and (user.uid, user.gid) != (os.getuid(), os.getgid())
-    if not switch and not pty:
+    shed = guest_caps.shed()
+    if not switch and not pty and shed:
         return argv
     # A wrapper would turn a missing program into exit 127; keep it a clean not_found.
     _require_executable(argv[0], kw["env"].get("PATH", DEFAULT_PATH), kw["cwd"])
     helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "space-spawn")
-    if os.access(helper, os.X_OK):
+    if os.access(helper, os.X_OK):  # it drops CAP_SYS_RESOURCE itself
         pre = [helper]
         if switch and user is not None:
             pre += ["-u", str(user.uid), "-g", str(user.gid), "-G", ",".join(str(g) for g in user.groups)]
         if pty:
             pre.append("-t")  # Popen's start_new_session made the session; take the pty as its tty
         return [*pre, "--", *argv]
+    setpriv = _tool("setpriv")
     if switch and user is not None:
-        setpriv = _tool("setpriv")
+        # Leaving uid 0 clears every capability: nothing to drop.
         if setpriv is None:
             kw.update(user=user.uid, group=user.gid, extra_groups=user.groups)
         else:
             groups = ",".join(str(g) for g in user.groups)
             argv = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}",
                     f"--groups={groups}" if groups else "--clear-groups", "--", *argv]
+    elif not shed:
+        if setpriv is None:
+            raise GuestError("runtime_error", "cannot start a command without the daemon's CAP_SYS_RESOURCE: "
+                             "this template has neither ctypes, space-spawn nor setpriv")
+        argv = [setpriv, "--bounding-set=-sys_resource", "--", *argv]
     if pty:
         setsid = _tool("setsid")
         if setsid is not None and "user" not in kw:

@@ -7,6 +7,9 @@
  *   space-spawn [-u UID] [-g GID] [-G GID,GID,...] [-t] -- PROGRAM ARGS...
  *
  * -t makes fd 0 (a pty slave) the controlling terminal; the caller has already called setsid().
+ * CAP_SYS_RESOURCE, which the guest daemon holds (see guest_caps.py), is always dropped from the
+ * bounding set first, so a program run as root never gets it; a program that would run as root
+ * with it still there is not run.
  * The program is searched in $PATH. Any failure prints a line to stderr and exits 127.
  */
 #define _GNU_SOURCE
@@ -15,7 +18,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 static void die(const char *what, const char *arg) {
@@ -41,6 +46,10 @@ int main(int argc, char **argv) {
         } else { errno = EINVAL; die("unknown option", argv[i]); }
     }
     if (i >= argc) { errno = EINVAL; die("no program", NULL); }
+    /* Before setuid, while CAP_SETPCAP is still there; leaving uid 0 clears every capability. */
+    if (prctl(PR_CAPBSET_DROP, CAP_SYS_RESOURCE, 0, 0, 0) != 0 && uid <= 0 && geteuid() == 0
+        && prctl(PR_CAPBSET_READ, CAP_SYS_RESOURCE, 0, 0, 0) != 0)
+        die("cannot drop CAP_SYS_RESOURCE from the bounding set", NULL);
     if (ctty && ioctl(0, TIOCSCTTY, 0) != 0) die("cannot take the controlling terminal", NULL);
     if (ngroups >= 0 && setgroups((size_t)ngroups, groups) != 0) die("setgroups", NULL);
     if (gid >= 0 && setgid((gid_t)gid) != 0) die("setgid", NULL);

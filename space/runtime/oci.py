@@ -30,6 +30,13 @@ CAPABILITIES = [
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 ]
+#: The guest daemon (PID 1) also holds CAP_SYS_RESOURCE: gVisor counts every task, threads
+#: included, against its creator's real uid for RLIMIT_NPROC and exempts a creator with this
+#: capability. Without it, the daemon's own threads and the commands it starts share root's count
+#: with the tenant's root processes: a busy API fails the tenant's forks, and a root fork bomb
+#: leaves the daemon unable to start a thread or a ``kill``. The daemon drops it from its bounding
+#: set before it starts anything (``space/guest/guest_caps.py``), so no command ever holds it.
+DAEMON_CAPABILITIES = [*CAPABILITIES, "CAP_SYS_RESOURCE"]
 
 
 def build_spec(spec: InstanceSpec) -> dict[str, Any]:
@@ -49,7 +56,7 @@ def build_spec(spec: InstanceSpec) -> dict[str, Any]:
             "cwd": "/",
             "env": [f"PATH={_PATH}", "LANG=C.UTF-8", f"SPACE_SANDBOX_ID={spec.sandbox_id}"],
             "user": {"uid": 0, "gid": 0},
-            "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+            "capabilities": {k: DAEMON_CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": False,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576},
                         {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}],

@@ -146,6 +146,89 @@ def test_fork_bomb_is_bounded(small_server: Server, tenants: Any) -> None:
     assert t.api.get(f"/v1/sandboxes/{a}").json()["state"] == "running"
 
 
+#: As root: fork until refused (EAGAIN), each child holding its slot; then say how many and hold.
+ROOT_BOMB = """
+import os, time
+n = 0
+while True:
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        break
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    n += 1
+print(n, flush=True)
+time.sleep(600)
+"""
+
+
+def _start(c: Any, sid: str, argv: list[str], **body: Any) -> str:
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": argv, **body})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def _run(c: Any, sid: str, argv: list[str], **body: Any) -> str:
+    code, out, err, error = finish(c, sid, _start(c, sid, argv, **body))
+    assert code == 0 and error is None, (argv, code, out[-2000:], err[-2000:], error)
+    return out
+
+
+def _cap_sets(status: str) -> dict[str, int]:
+    return {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines()
+                                        if line.startswith("Cap"))}
+
+
+@pytest.mark.probe("a fork bomb inside a sandbox as its root, holding every process slot root has, "
+                   "then commands and a kill through the API")
+def test_a_root_fork_bomb_leaves_the_sandbox_manageable(small_server: Server, tenants: Any) -> None:
+    t = tenants("rootfork")
+    a = sandbox(t.api, **SMALL)
+    limit = int(ok(t.api, a, "ulimit -u", user="root").strip())
+    bomb = _start(t.api, a, ["python3", "-c", ROOT_BOMB], user="root", timeout=300)
+    # It prints once fork said EAGAIN: root's slots are all taken from here on.
+    wait_for(lambda: t.api.get(f"/v1/sandboxes/{a}/commands/{bomb}").json()["out_bytes"] > 0,
+             120, "the root fork bomb to fill root's slots")
+    # Root's slots are full: the daemon still starts commands, as root (which cannot fork now)
+    # and as the user, and its workers still start threads; before the daemon held
+    # CAP_SYS_RESOURCE, starting a command here failed with EAGAIN.
+    for i in range(10):
+        assert _run(t.api, a, ["echo", f"alive {i}"], user="root") == f"alive {i}\n"
+        assert ok(t.api, a, "echo user $(id -u)").strip() == "user 1000"
+    code, _, err, error = sh(t.api, a, "true & wait", user="root")
+    assert code != 0 and error is None, (code, err)  # root itself is still bounded
+    r2 = t.api.post(f"/v1/sandboxes/{a}/commands/{bomb}/signal", json={"signal": "KILL"})
+    assert r2.status_code == 204, r2.text
+    finish(t.api, a, bomb)
+
+    def roots() -> int:
+        return int(ok(t.api, a, "ps -e -o user=,stat= | awk '$1 == \"root\" && $2 !~ /^Z/' | wc -l"))
+
+    wait_for(lambda: roots() < limit // 2, 60, "the bomb's processes to be gone")
+    assert ok(t.api, a, "true & wait; echo ok", user="root").strip() == "ok"
+    assert t.api.get(f"/v1/sandboxes/{a}").json()["state"] == "running"
+
+
+def test_no_command_holds_the_daemons_cap_sys_resource(small_server: Server, tenants: Any) -> None:
+    """The daemon holds CAP_SYS_RESOURCE (exempt from RLIMIT_NPROC); root's commands, on every
+    spawn path, get neither it nor a way to raise their process limit."""
+    t = tenants("caps")
+    a = sandbox(t.api, **SMALL)
+    bit = 1 << 24  # CAP_SYS_RESOURCE
+    daemon = _cap_sets(ok(t.api, a, "cat /proc/1/status", user="root"))
+    assert daemon["CapEff"] & bit, daemon  # (its threads that start commands drop it from their bounding sets)
+    for how in ({"user": "root"}, {"user": "root", "pty": {"rows": 24, "cols": 80}}, {}):
+        caps = _cap_sets(_run(t.api, a, ["cat", "/proc/self/status"], **how))
+        assert not any(v & bit for v in caps.values()), (how, caps)
+        # and what a root shell starts (a child of the command, not of the daemon)
+        caps = _cap_sets(ok(t.api, a, "cat /proc/self/status; true", **how))
+        assert not any(v & bit for v in caps.values()), (how, caps)
+    code, _, err, _ = sh(t.api, a, "ulimit -u unlimited", user="root")
+    assert code != 0, err
+
+
 BOMBS = {
     # gVisor's own accounting may refuse the allocation first (MemoryError inside), or the host's
     # OOM killer takes the sandbox: either holds the limit.

@@ -241,6 +241,12 @@ async def template_debootstrap(ctx: HelperContext, args: DebootstrapArgs, call: 
     return {"returncode": rc}
 
 
+#: The host's first stage: the locale, and ``container=lxc``, without which debootstrap refuses a
+#: target on a nodev mount (it tests that a device node it makes can be opened; the pool is nodev).
+#: Not DPKG_FORCE: the first stage runs no dpkg.
+FIRST_STAGE_ENV: Final = {k: BASE_ENV[k] for k in ("LC_ALL", "DEBIAN_FRONTEND", "container")}
+
+
 async def _first_stage(ctx: HelperContext, fd: int, args: DebootstrapArgs, call: Call) -> int:
     deb_cache = ctx.cache_dir / "debootstrap"
     deb_cache.mkdir(parents=True, exist_ok=True)
@@ -254,7 +260,7 @@ async def _first_stage(ctx: HelperContext, fd: int, args: DebootstrapArgs, call:
             argv.append(f"--include={','.join(args.packages)}")
         argv += [args.suite, str(stage), args.mirror]
         return await privileged.stream_lines(*FIRST_STAGE, str(fd), str(stage), *argv, on_line=call.line,
-                                             timeout=DEBOOTSTRAP_CAP, env=dict(BASE_ENV), pass_fds=(fd,))
+                                             timeout=DEBOOTSTRAP_CAP, env=FIRST_STAGE_ENV, pass_fds=(fd,))
     finally:
         with contextlib.suppress(OSError):
             stage.rmdir()
