@@ -11,7 +11,9 @@ that body back into the same class with :func:`from_wire`.
     ├── Forbidden             403 forbidden
     ├── NotFound              404 not_found
     ├── Conflict              409 conflict
-    │   └── InvalidState      409 invalid_state   (names the state and the allowed actions)
+    │   ├── InvalidState      409 invalid_state   (names the state and the allowed actions)
+    │   ├── PoolEmpty         409 pool_empty
+    │   └── LeaseLost         409 lease_lost      (an operation's result from a controller that lost its lease)
     ├── RequestTimeout        408 request_timeout (the request's body stopped arriving)
     ├── PayloadTooLarge       413 too_large
     ├── ValidationFailed      422 validation_failed
@@ -135,6 +137,12 @@ class PoolEmpty(Conflict):
     """No warm sandbox of that template and size is ready on the node (the caller boots one cold)."""
 
     code = "pool_empty"
+
+
+class LeaseLost(Conflict):
+    """The operation is no longer leased to this controller: another one took it over (fencing)."""
+
+    code = "lease_lost"
 
 
 class InsufficientStorage(SpaceError):

@@ -13,18 +13,29 @@ import contextlib
 import datetime as dt
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
 from space import ids
 from space.controller import placement
+from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
-from space.errors import Conflict, Internal, InvalidState, NotFound, ObjectTampered, SpaceError, Unavailable, from_wire
+from space.errors import (
+    Conflict,
+    Internal,
+    InvalidState,
+    LeaseLost,
+    NotFound,
+    ObjectTampered,
+    SpaceError,
+    Unavailable,
+    from_wire,
+)
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
@@ -47,29 +58,11 @@ CLAIM_GRACE = float(os.environ.get("SPACE_CLAIM_GRACE", "60"))
 HEARTBEAT_FIELDS = ("pool", "sandboxes", "templates", "cpus", "memory_mb", "committed_cpu",
                     "committed_memory_mb", "loadavg", "warm")
 
+#: The share of an operation's lease after which a controller that could not renew it stops.
+LEASE_SAFETY = 0.8
+
 #: How many times a retryable failure (node unreachable, timeout) is retried before giving up.
 MAX_ATTEMPTS = 5
-
-
-class KeyedLocks:
-    """A lock per key that exists only while someone holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users <= 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
 
 
 class Controller:
@@ -84,6 +77,7 @@ class Controller:
         policy_every: float = 2.0,
         template_specs: dict[str, dict[str, Any]] | None = None,
         objects: ObjectStore | None = None,
+        leader_lease_seconds: float = 3.0,
     ) -> None:
         self.store = store
         self.nodes = nodes
@@ -93,9 +87,7 @@ class Controller:
         self.policy_every = policy_every
         self.lifecycle = LifecycleOps(store, nodes, objects)
         self.policies = Policies(store, nodes, self.lifecycle)
-        #: One operation at a time per sandbox (in this replica): a pause and a resume queued
-        #: back to back run in order.
-        self._target_locks = KeyedLocks()
+        self.leadership = Leadership(store, self.owner, self._lead, lease_seconds=leader_lease_seconds)
         self.template_specs = template_specs or {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
@@ -136,34 +128,45 @@ class Controller:
     # -- main loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Claim operations until cancelled; lead (run the singletons) while elected."""
         log.info("controller.started", owner=self.owner)
-        last_reconcile = last_policy = 0.0
+        leading = asyncio.create_task(self.leadership.run(), name="leadership")
         try:
             while True:
-                claimed = await self._claim_some()
-                now = time.monotonic()
-                if now - last_reconcile >= self.reconcile_every:
-                    last_reconcile = now
-                    try:
-                        await self.reconcile()
-                    except SpaceError as exc:
-                        log.warning("controller.reconcile_failed", error=str(exc))
-                if now - last_policy >= self.policy_every:
-                    last_policy = now
-                    try:
-                        if await self.policies.tick():
-                            claimed = True
-                    except SpaceError as exc:
-                        log.warning("controller.policies_failed", error=str(exc))
-                if not claimed:
+                if not await self._claim_some():
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout=1.0)
         finally:
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
             for t in list(self._running):
                 t.cancel()
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _lead(self) -> None:
+        """The singletons, run by the leader only (cancelled the moment it stops leading):
+        reconcile with the nodes (heartbeats, egress sync and audit drain included) and the
+        lifecycle policies (idle, lifetime, snapshot schedules, retention)."""
+        last_reconcile = last_policy = -float("inf")
+        while True:
+            now = time.monotonic()
+            if now - last_reconcile >= self.reconcile_every:
+                last_reconcile = now
+                try:
+                    await self.reconcile()
+                except SpaceError as exc:
+                    log.warning("controller.reconcile_failed", error=str(exc))
+            if now - last_policy >= self.policy_every:
+                last_policy = now
+                try:
+                    if await self.policies.tick():
+                        self.wake()  # it queued operations: claim them now
+                except SpaceError as exc:
+                    log.warning("controller.policies_failed", error=str(exc))
+            await asyncio.sleep(max(0.05, min(last_reconcile + self.reconcile_every,
+                                              last_policy + self.policy_every) - time.monotonic()))
 
     async def _claim_some(self) -> bool:
         claimed_any = False
@@ -179,49 +182,91 @@ class Controller:
         return claimed_any
 
     async def _execute(self, op: Operation) -> None:
-        renew = asyncio.create_task(self._renew(op.id))
+        """Run ``op``'s handler under its lease and record the outcome as the lease's holder.
+
+        The lease is this controller's licence to work on ``op``: when it is lost (another
+        controller took it over after it expired, or the database stayed out of reach until it
+        would have) the handler is cancelled where it stands and nothing is recorded; the
+        controller that holds the lease now runs the (idempotent) handler again and finishes."""
+        me = asyncio.current_task()
+        assert me is not None
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self._keep_lease(op, me, lost), name=f"lease:{op.id}")
         bound = log.bind(op=op.id, kind=op.kind, target=op.target, attempt=op.attempts)
-        t0 = time.perf_counter()
         try:
-            handler = self._handlers.get(op.kind)
-            if handler is None:
-                await self.store.finish_operation(op.id, "failed", error_code="internal",
-                                                  error_message=f"unknown operation kind {op.kind}")
+            await self._carry_out(op, bound)
+        except asyncio.CancelledError:
+            if lost.is_set() and me.uncancel() == 0:
+                bound.warning("operation.fenced", hint="its lease was lost: the holder finishes it")
                 return
-            try:
-                async with self._target_locks.hold(op.target):
-                    result = await handler(op)
-            except SpaceError as exc:
-                if exc.retryable and op.attempts < MAX_ATTEMPTS:
-                    bound.warning("operation.retry", error=str(exc))
-                    # Leave it running: the lease expires and a later claim retries it.
-                    renew.cancel()
-                    return
-                bound.warning("operation.failed", error=str(exc))
-                await self._on_failure(op, exc)
-                await self.store.finish_operation(op.id, "failed", error_code=exc.code,
-                                                  error_message=exc.message)
-                return
-            except Exception as exc:
-                bound.exception("operation.crashed")
-                err = Internal(f"unexpected error: {exc!r}")
-                await self._on_failure(op, err)
-                await self.store.finish_operation(op.id, "failed", error_code="internal",
-                                                  error_message=err.message)
-                return
-            await self.store.finish_operation(op.id, "succeeded", result=result or {})
-            bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
+            raise
+        except LeaseLost as exc:
+            bound.warning("operation.fenced", lease_owner=exc.details.get("lease_owner"))
         finally:
-            renew.cancel()
+            keeper.cancel()
             self._slots.release()
             self._notify(op.id)
 
+    async def _carry_out(self, op: Operation, bound: Any) -> None:
+        t0 = time.perf_counter()
+        handler = self._handlers.get(op.kind)
+        if handler is None:
+            await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
+                                              error_message=f"unknown operation kind {op.kind}")
+            return
+        try:
+            # One operation at a time per target, in order, is the claim's rule
+            # (Store.claim_operation), across every replica.
+            result = await handler(op)
+        except SpaceError as exc:
+            if exc.retryable and op.attempts < MAX_ATTEMPTS:
+                # Leave it running: the lease expires and a later claim retries it.
+                bound.warning("operation.retry", error=str(exc))
+                return
+            bound.warning("operation.failed", error=str(exc))
+            await self._on_failure(op, exc)
+            await self.store.finish_operation(op.id, "failed", error_code=exc.code, owner=self.owner,
+                                              error_message=exc.message)
+            return
+        except Exception as exc:
+            bound.exception("operation.crashed")
+            err = Internal(f"unexpected error: {exc!r}")
+            await self._on_failure(op, err)
+            await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
+                                              error_message=err.message)
+            return
+        await self.store.finish_operation(op.id, "succeeded", result=result or {}, owner=self.owner)
+        bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
 
-    async def _renew(self, op_id: str) -> None:
+    async def _keep_lease(self, op: Operation, work: asyncio.Task[Any], lost: asyncio.Event) -> None:
+        """Renew ``op``'s lease every third of its length; cancel ``work`` once it is lost, or once
+        renewals failed for so long that the lease may have expired (another controller may be
+        running the operation then: this one must have stopped before it could)."""
+        held_since = time.monotonic()  # the claim's lease started no later than this
+        step = self.lease_seconds / 3
+        next_renewal = held_since + step
         while True:
-            await asyncio.sleep(self.lease_seconds / 3)
-            if not await self.store.renew_lease(op_id, self.owner, self.lease_seconds):
-                log.warning("operation.lease_lost", op=op_id)
+            deadline = held_since + self.lease_seconds * LEASE_SAFETY
+            await asyncio.sleep(max(0.0, min(next_renewal, deadline) - time.monotonic()))
+            held: bool | None = None
+            if time.monotonic() < deadline:
+                asked = time.monotonic()
+                try:
+                    # Bounded by the deadline: a renewal that hangs must not outlast the lease.
+                    async with asyncio.timeout(max(0.01, deadline - asked)):
+                        held = await self.store.renew_lease(op.id, self.owner, self.lease_seconds)
+                except (SpaceError, TimeoutError) as exc:
+                    log.warning("operation.lease_renew_failed", op=op.id, error=str(exc) or "timed out")
+                if held:
+                    held_since = asked
+                    next_renewal = asked + step
+                    continue
+                next_renewal = time.monotonic() + min(step, 0.2)  # retry soon, within the lease
+            if held is False or time.monotonic() >= deadline:
+                log.warning("operation.lease_lost", op=op.id, owner=self.owner,
+                            reason="taken over" if held is False else "not renewed in time")
+                lost.set()
+                work.cancel()
                 return
 
     async def _on_failure(self, op: Operation, exc: SpaceError) -> None:

@@ -127,6 +127,20 @@ class Node(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class Lease(Base):
+    """A named lease on a singleton job (``leader``: the controller that runs reconcile, heartbeats
+    and policy ticks). ``fence`` grows by one whenever the holder changes, so work stamped with an
+    older fence can be told from the current holder's."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    fence: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    acquired_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
 class WarmPool(Base):
     """How many booted, never-used sandboxes each node keeps ready for one template and size."""
 

@@ -9,8 +9,9 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
-from space.errors import Conflict, InvalidRequest, NotFound
+from space.errors import Conflict, InvalidRequest, LeaseLost, NotFound
 from space.store.base import StoreBase, _rowcount, log
 from space.store.models import OPERATION_FINAL, Base, Operation, OperationLog, Sandbox, Snapshot, utcnow
 
@@ -135,33 +136,41 @@ class OperationStore(StoreBase):
         kinds: Sequence[str] | None = None,
         op_id: str | None = None,
     ) -> Operation | None:
-        """Take the oldest pending operation, or a running one whose lease expired.
+        """Take the oldest pending operation, or a running one whose lease expired, that is first
+        in line on its target.
 
+        Operations on one target (a sandbox, a template) run one at a time in the order they were
+        accepted, whichever replica claims them: one is claimable only while no earlier one on
+        its target is still pending or running, and no other one on it runs under a live lease
+        (that covers an earlier request that committed after a later one was already claimed).
         The claim sets ``running``, the lease and ``attempts += 1``. With ``op_id`` only that
         operation is considered. None when there is nothing to take.
         """
         now = utcnow()
-        claimable = or_(
-            Operation.status == "pending",
-            and_(
-                Operation.status == "running",
-                or_(Operation.lease_expires_at.is_(None), Operation.lease_expires_at < now),
-            ),
-        )
-        where: list[ColumnElement[bool]] = [claimable]
+        claimable = _claimable(now)
+        first = _first_in_line(now)
+        where: list[ColumnElement[bool]] = [claimable, first]
         if kinds is not None:
             where.append(Operation.kind.in_(list(kinds)))
         if op_id is not None:
             where.append(Operation.id == op_id)
-        candidates = select(Operation.id).where(*where).order_by(Operation.created_at, Operation.id)
-        if self.dialect == "postgresql":
+        candidates = (select(Operation.id, Operation.target).where(*where)
+                      .order_by(Operation.created_at, Operation.id))
+        postgres = self.dialect == "postgresql"
+        if postgres:
             # Claimers skip each other's candidates instead of queueing behind them.
             candidates = candidates.with_for_update(skip_locked=True)
         async with self._tx() as s:
-            for cand in list(await s.scalars(candidates.limit(8))):
+            for cand, target in list(await s.execute(candidates.limit(8))):
+                if postgres and not await s.scalar(select(func.pg_try_advisory_xact_lock(_target_lock_key(target)))):
+                    # Another claimer is deciding about this target right now. Waiting could
+                    # deadlock two claimers that lock targets in different orders: skip it.
+                    continue
+                # Checked again under the target's lock (PostgreSQL: a fresh snapshot per
+                # statement; SQLite: one writer), so two claimers never both pass it.
                 res = await s.execute(
                     update(Operation)
-                    .where(Operation.id == cand, claimable)
+                    .where(Operation.id == cand, claimable, _first_in_line(now))
                     .values(
                         status="running",
                         lease_owner=owner,
@@ -211,7 +220,7 @@ class OperationStore(StoreBase):
     ) -> Operation:
         """Record the outcome and release the lease.
 
-        With ``owner``, only the holder of the lease may finish (Conflict otherwise), so a
+        With ``owner``, only the holder of the lease may finish (LeaseLost otherwise), so a
         controller that lost its lease cannot overwrite the work of the one that took over.
         """
         if status not in OPERATION_FINAL:
@@ -219,7 +228,7 @@ class OperationStore(StoreBase):
         async with self._tx() as s:
             op = await self._get(s, Operation, op_id, "operation", lock=True)
             if owner is not None and op.lease_owner != owner:
-                raise Conflict(
+                raise LeaseLost(
                     f"operation {op_id} is leased by {op.lease_owner!r}, not {owner!r}",
                     lease_owner=op.lease_owner,
                 )
@@ -262,6 +271,40 @@ class OperationStore(StoreBase):
         )
         async with self._tx(write=False) as s:
             return list(await s.scalars(q))
+
+
+def _claimable(now: dt.datetime) -> ColumnElement[bool]:
+    """Pending, or running under a lease that expired (its holder is presumed gone)."""
+    return or_(
+        Operation.status == "pending",
+        and_(
+            Operation.status == "running",
+            or_(Operation.lease_expires_at.is_(None), Operation.lease_expires_at < now),
+        ),
+    )
+
+
+def _first_in_line(now: dt.datetime) -> ColumnElement[bool]:
+    """No other operation on the same target is ahead of this one (accepted earlier and not
+    finished) or running under a live lease."""
+    other = aliased(Operation)
+    ahead = or_(
+        other.created_at < Operation.created_at,
+        and_(other.created_at == Operation.created_at, other.id < Operation.id),
+    )
+    live = and_(other.status == "running", other.lease_expires_at.is_not(None), other.lease_expires_at >= now)
+    blocking = (
+        select(other.id)
+        .where(other.target == Operation.target, other.id != Operation.id,
+               other.status.in_(OPERATION_ACTIVE), or_(ahead, live))
+        .correlate(Operation)
+    )
+    return ~blocking.exists()
+
+
+def _target_lock_key(target: str) -> Any:
+    """The PostgreSQL advisory lock key of a target (a collision only makes a claimer skip)."""
+    return func.hashtext("space.operation-target:" + target)
 
 
 def _same_tenant(op: Operation, row: Sandbox | Snapshot, what: str) -> None:

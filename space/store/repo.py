@@ -16,13 +16,14 @@ violations as ``Conflict``, anything else as ``Internal``.
 
 Each aggregate's methods live in a module of their own (base: the engine, sessions and error
 translation; keys, nodes, templates, sandboxes, snapshots, operations, events, tenants,
-secret_rows): :class:`Store` combines them.
+secret_rows, leases): :class:`Store` combines them.
 """
 
 from __future__ import annotations
 
 from space.store.events import EventStore
 from space.store.keys import API_KEY_PREFIX, ApiKeyStore, hash_key
+from space.store.leases import LeaseStore
 from space.store.nodes import NodeStore
 from space.store.operations import OPERATION_ACTIVE, OperationStore
 from space.store.sandboxes import SANDBOX_FIELDS, SandboxStore
@@ -44,5 +45,6 @@ class Store(
     TenantStore,
     EventStore,
     SecretStore,
+    LeaseStore,
 ):
     """The control plane's SQL store (SQLite embedded, PostgreSQL for several replicas)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy import update
@@ -37,3 +38,17 @@ def new_snapshot(sandbox_id: str, tenant: str = "acme", **kw: Any) -> Snapshot:
                               "kind": "disk", "origin": "manual", "template": "base"}
     fields.update(kw)
     return Snapshot(**fields)
+
+
+async def on_two_pools(store: Store, worker: Callable[[Store, str], Awaitable[None]], n: int) -> None:
+    """Run ``n`` workers named ``ctl-0``… at once, alternating between ``store`` and a second
+    store on the same database (another controller process, in effect)."""
+    import anyio
+
+    replica = await Store.open(store.url)
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(worker, store if i % 2 else replica, f"ctl-{i}")
+    finally:
+        await replica.close()

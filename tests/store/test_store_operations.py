@@ -3,18 +3,21 @@
 - claim takes the oldest pending operation; filters by kind and id; None when nothing is claimable
 - a held lease is never taken; an expired one is (attempts counts the claims)
 - concurrent claimers never get the same operation
+- one target's operations run one at a time, in the order they were accepted, across replicas
 - renew only by the holder while running; finish releases the lease and can require the holder
 - logs: sequence numbers from 1, paging with after/limit, concurrent appenders never collide
 """
 
 from __future__ import annotations
 
+import datetime as dt
+
 import anyio
 import pytest
 
 from space.errors import Conflict, InvalidRequest, NotFound
 from space.store import Operation, Store
-from tests.store.storekit import expire_lease, new_op
+from tests.store.storekit import expire_lease, new_op, on_two_pools
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +39,7 @@ async def test_claim_oldest_pending_then_none(store: Store) -> None:
 
 async def test_claim_filters(store: Store) -> None:
     [create] = await _ops(store, 1)
-    [delete] = await _ops(store, 1, kind="sandbox.delete")
+    delete, _ = await store.create_operation(new_op(kind="sandbox.delete", target="other"))
     got = await store.claim_operation("c", 30, kinds=["sandbox.delete"])
     assert got is not None and got.id == delete.id
     assert await store.claim_operation("c", 30, kinds=["template.build"]) is None
@@ -65,23 +68,99 @@ async def test_expired_lease_is_reclaimed(store: Store) -> None:
 async def test_concurrent_claimers_never_share(store: Store) -> None:
     ops = await _ops(store, 12)
     claimed: list[tuple[str, str]] = []
-    replica = await Store.open(store.url)  # a second controller process, in effect
 
     async def claimer(st: Store, name: str) -> None:
         while (op := await st.claim_operation(name, 30)) is not None:
             claimed.append((op.id, name))
 
-    try:
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(claimer, store if i % 2 else replica, f"ctl-{i}")
-    finally:
-        await replica.close()
+    await on_two_pools(store, claimer, 4)
     ids = [op_id for op_id, _ in claimed]
     assert sorted(ids) == sorted(op.id for op in ops)  # each exactly once
     running = await store.find_operations(status=["running"])
     assert {(op.id, op.lease_owner) for op in running} == set(claimed)
     assert all(op.attempts == 1 for op in running)
+
+
+async def test_one_target_runs_one_operation_at_a_time_in_order(store: Store) -> None:
+    pause, _ = await store.create_operation(new_op(kind="sandbox.pause", target="sb-x"))
+    resume, _ = await store.create_operation(new_op(kind="sandbox.resume", target="sb-x"))
+    other, _ = await store.create_operation(new_op(kind="sandbox.pause", target="sb-y"))
+    first = await store.claim_operation("ctl-a", 30)
+    assert first is not None and first.id == pause.id
+    # The resume waits for the pause; other targets are not held up behind it.
+    second = await store.claim_operation("ctl-b", 30)
+    assert second is not None and second.id == other.id
+    assert await store.claim_operation("ctl-b", 30) is None
+    assert await store.claim_operation("ctl-b", 30, op_id=resume.id) is None
+    await store.finish_operation(pause.id, "succeeded", owner="ctl-a")
+    third = await store.claim_operation("ctl-b", 30)
+    assert third is not None and third.id == resume.id
+
+
+async def test_an_abandoned_operation_keeps_its_place_in_line(store: Store) -> None:
+    """A controller died holding the pause: the resume behind it waits until someone has taken
+    the pause over and finished it, never running first."""
+    pause, _ = await store.create_operation(new_op(kind="sandbox.pause", target="sb-x"))
+    resume, _ = await store.create_operation(new_op(kind="sandbox.resume", target="sb-x"))
+    assert (await store.claim_operation("crashed", 30)) is not None
+    await expire_lease(store, pause.id)
+    rescued = await store.claim_operation("rescuer", 30)
+    assert rescued is not None and rescued.id == pause.id  # the expired one first, not the resume
+    assert await store.claim_operation("rescuer", 30) is None
+    await store.finish_operation(pause.id, "succeeded", owner="rescuer")
+    nxt = await store.claim_operation("rescuer", 30)
+    assert nxt is not None and nxt.id == resume.id
+
+
+async def test_a_running_operation_holds_its_target_against_an_earlier_late_one(store: Store) -> None:
+    """Two replicas accepted requests for one sandbox at once and the earlier one committed
+    last: the later was claimed already, so the earlier waits for it instead of running beside."""
+    early = new_op(kind="sandbox.pause", target="sb-x")
+    late, _ = await store.create_operation(new_op(kind="snapshot.create", target="sb-x"))
+    claimed = await store.claim_operation("ctl-a", 30)
+    assert claimed is not None and claimed.id == late.id
+    assert late.created_at is not None
+    early.created_at = late.created_at - dt.timedelta(seconds=1)
+    await store.create_operation(early)
+    assert await store.claim_operation("ctl-b", 30) is None
+    await store.finish_operation(late.id, "succeeded", owner="ctl-a")
+    got = await store.claim_operation("ctl-b", 30)
+    assert got is not None and got.id == early.id
+
+
+async def test_concurrent_claimers_keep_each_target_serial(store: Store) -> None:
+    """Four claimers on two connections pools, three targets with five operations each: at no
+    moment do two operations of one target run, and each target's run in acceptance order."""
+    targets = ("sb-a", "sb-b", "sb-c")
+    accepted: dict[str, list[str]] = {t: [] for t in targets}
+    for _ in range(5):
+        for t in targets:
+            op, _ = await store.create_operation(new_op(kind="sandbox.pause", target=t))
+            accepted[t].append(op.id)
+    running: dict[str, str] = {}
+    order: dict[str, list[str]] = {t: [] for t in targets}
+    overlaps: list[tuple[str, str, str]] = []
+
+    async def claimer(st: Store, name: str) -> None:
+        idle = 0
+        while idle < 20:
+            op = await st.claim_operation(name, 30)
+            if op is None:
+                idle += 1
+                await anyio.sleep(0.01)
+                continue
+            idle = 0
+            if op.target in running:
+                overlaps.append((op.target, running[op.target], op.id))
+            running[op.target] = op.id
+            order[op.target].append(op.id)
+            await anyio.sleep(0.005)  # the work, during which another claimer tries this target
+            del running[op.target]
+            await st.finish_operation(op.id, "succeeded", owner=name)
+
+    await on_two_pools(store, claimer, 4)
+    assert overlaps == []
+    assert order == accepted
 
 
 async def test_progress_and_finish(store: Store) -> None:
