@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Self, TypeVar, cast
 
 import structlog
-from sqlalchemy import CursorResult
+from sqlalchemy import CursorResult, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -19,7 +19,7 @@ from sqlalchemy.orm import sessionmaker
 
 from space.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
 from space.store import db
-from space.store.models import Base
+from space.store.models import Base, utcnow
 
 # One logger for the whole store, under the name it had when the store was one module.
 log = structlog.get_logger("space.store.repo")
@@ -92,6 +92,16 @@ class StoreBase:
         with _translate_errors():
             async with maker() as s, s.begin():
                 yield s
+
+    async def _db_now(self, s: AsyncSession) -> dt.datetime:
+        """The time every replica agrees on, for leases: the database server's clock on
+        PostgreSQL (controllers on several machines may disagree by seconds), this machine's on
+        SQLite (one machine anyway)."""
+        if self.dialect == "postgresql":
+            now = await s.scalar(select(func.clock_timestamp()))
+            assert isinstance(now, dt.datetime)
+            return now.astimezone(dt.UTC)
+        return utcnow()
 
     def _insert(self, model: type[Base]) -> postgresql.Insert | sqlite.Insert:
         if self.dialect == "postgresql":

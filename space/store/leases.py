@@ -11,23 +11,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import func, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import update
 
 from space.errors import Conflict, InvalidRequest
 from space.store.base import StoreBase, _rowcount, log
-from space.store.models import Lease, utcnow
+from space.store.models import Lease
 
 
 class LeaseStore(StoreBase):
     """Named leases."""
-
-    async def _now(self, s: AsyncSession) -> dt.datetime:
-        if self.dialect == "postgresql":
-            now = await s.scalar(select(func.clock_timestamp()))
-            assert isinstance(now, dt.datetime)
-            return now.astimezone(dt.UTC)
-        return utcnow()
 
     async def acquire_lease(self, name: str, holder: str, seconds: float) -> int | None:
         """Take the lease ``name`` for ``seconds``, or extend it if ``holder`` holds it already.
@@ -39,7 +31,7 @@ class LeaseStore(StoreBase):
             raise InvalidRequest(f"a lease must last some time, not {seconds} s")
         try:
             async with self._tx() as s:
-                now = await self._now(s)
+                now = await self._db_now(s)
                 until = now + dt.timedelta(seconds=seconds)
                 row = await s.get(Lease, name, with_for_update=True)
                 if row is None:
@@ -64,7 +56,7 @@ class LeaseStore(StoreBase):
     async def release_lease(self, name: str, holder: str) -> bool:
         """Give the lease up at once (a clean shutdown: the next holder need not wait it out)."""
         async with self._tx() as s:
-            now = await self._now(s)
+            now = await self._db_now(s)
             res = await s.execute(
                 update(Lease).where(Lease.name == name, Lease.holder == holder, Lease.expires_at > now)
                 .values(expires_at=now).execution_options(synchronize_session=False)
@@ -79,6 +71,6 @@ class LeaseStore(StoreBase):
     async def lease_held(self, name: str, holder: str, fence: int) -> bool:
         """Whether ``holder`` still holds ``name`` under ``fence`` and it has not expired."""
         async with self._tx(write=False) as s:
-            now = await self._now(s)
+            now = await self._db_now(s)
             row = await s.get(Lease, name)
         return row is not None and row.holder == holder and row.fence == fence and row.expires_at > now

@@ -146,21 +146,21 @@ class OperationStore(StoreBase):
         The claim sets ``running``, the lease and ``attempts += 1``. With ``op_id`` only that
         operation is considered. None when there is nothing to take.
         """
-        now = utcnow()
-        claimable = _claimable(now)
-        first = _first_in_line(now)
-        where: list[ColumnElement[bool]] = [claimable, first]
-        if kinds is not None:
-            where.append(Operation.kind.in_(list(kinds)))
-        if op_id is not None:
-            where.append(Operation.id == op_id)
-        candidates = (select(Operation.id, Operation.target).where(*where)
-                      .order_by(Operation.created_at, Operation.id))
         postgres = self.dialect == "postgresql"
-        if postgres:
-            # Claimers skip each other's candidates instead of queueing behind them.
-            candidates = candidates.with_for_update(skip_locked=True)
         async with self._tx() as s:
+            # Leases run on the database's clock: every controller judges expiry alike.
+            now = await self._db_now(s)
+            claimable = _claimable(now)
+            where: list[ColumnElement[bool]] = [claimable, _first_in_line(now)]
+            if kinds is not None:
+                where.append(Operation.kind.in_(list(kinds)))
+            if op_id is not None:
+                where.append(Operation.id == op_id)
+            candidates = (select(Operation.id, Operation.target).where(*where)
+                          .order_by(Operation.created_at, Operation.id))
+            if postgres:
+                # Claimers skip each other's candidates instead of queueing behind them.
+                candidates = candidates.with_for_update(skip_locked=True)
             for cand, target in list(await s.execute(candidates.limit(8))):
                 if postgres and not await s.scalar(select(func.pg_try_advisory_xact_lock(_target_lock_key(target)))):
                     # Another claimer is deciding about this target right now. Waiting could
@@ -188,8 +188,8 @@ class OperationStore(StoreBase):
 
     async def renew_lease(self, op_id: str, owner: str, lease_seconds: float) -> bool:
         """Extend ``owner``'s lease; False if the operation is no longer running under it."""
-        now = utcnow()
         async with self._tx() as s:
+            now = await self._db_now(s)
             res = await s.execute(
                 update(Operation)
                 .where(Operation.id == op_id, Operation.status == "running", Operation.lease_owner == owner)

@@ -21,6 +21,7 @@ from sqlalchemy import update
 from space.controller.leader import Leadership
 from space.errors import Unavailable
 from space.store import Store
+from space.store import base as store_base
 from space.store.models import Lease
 from tests.store.storekit import on_two_pools
 
@@ -53,6 +54,16 @@ async def test_one_holder_until_it_expires_then_the_fence_grows(store: Store) ->
     assert await store.acquire_lease("leader", "ctl-a", 30) == 3
     row = await store.get_lease("leader")
     assert row is not None and (row.holder, row.fence) == ("ctl-a", 3)
+
+
+async def test_a_clock_running_ahead_does_not_end_a_lease_early(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite serves one machine: there is one clock")
+    assert await store.acquire_lease("leader", "ctl-a", 30) == 1
+    real = store_base.utcnow
+    monkeypatch.setattr(store_base, "utcnow", lambda: real() + dt.timedelta(seconds=60))
+    assert await store.acquire_lease("leader", "ctl-ahead", 30) is None
 
 
 async def test_release_hands_it_over_at_once(store: Store) -> None:

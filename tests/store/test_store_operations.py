@@ -17,6 +17,8 @@ import pytest
 
 from space.errors import Conflict, InvalidRequest, NotFound
 from space.store import Operation, Store
+from space.store import base as store_base
+from space.store import operations as store_operations
 from tests.store.storekit import expire_lease, new_op, on_two_pools
 
 pytestmark = pytest.mark.anyio
@@ -161,6 +163,25 @@ async def test_concurrent_claimers_keep_each_target_serial(store: Store) -> None
     await on_two_pools(store, claimer, 4)
     assert overlaps == []
     assert order == accepted
+
+
+async def test_a_controller_whose_clock_runs_ahead_takes_no_live_lease(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leases are judged by the database's clock: a controller on a machine whose clock is a
+    minute ahead neither steals a held lease nor hands out one that is already over."""
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite serves one machine: there is one clock")
+    [op] = await _ops(store, 1)
+    held = await store.claim_operation("ctl-a", 30)
+    assert held is not None
+    real = store_base.utcnow
+    monkeypatch.setattr(store_base, "utcnow", lambda: real() + dt.timedelta(seconds=60))
+    monkeypatch.setattr(store_operations, "utcnow", lambda: real() + dt.timedelta(seconds=60))
+    assert await store.claim_operation("ctl-ahead", 30) is None
+    assert await store.renew_lease(op.id, "ctl-a", 30)
+    row = await store.get_operation(op.id)
+    assert row.lease_expires_at is not None
+    assert row.lease_expires_at < real() + dt.timedelta(seconds=31)  # not the fast clock's time
 
 
 async def test_progress_and_finish(store: Store) -> None:
