@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from space.api import (
     apikeys,
@@ -32,6 +33,8 @@ from space.e2b.control import create_control_app
 from space.e2b.edge import E2BDispatch
 from space.e2b.envd import create_envd_app
 from space.e2b.ports import create_ports_app
+from space.errors import SpaceError
+from space.store import db
 from space.web import install_error_handlers
 
 
@@ -66,7 +69,24 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        nodes = await state.store.list_nodes("ready")
-        return {"status": "ok", "nodes": len(nodes)}
+        """Liveness: this process serves requests. Nothing it depends on is asked, so a database
+        outage does not get every replica restarted (that is readiness's business)."""
+        return {"status": "ok"}
+
+    head = db.head_revision()
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Readiness: the database answers and its schema is the one this code was written for
+        (a replica of a newer or older release waits out a migration instead of taking traffic)."""
+        try:
+            revision = await state.store.schema_revision()
+            nodes = len(await state.store.list_nodes("ready"))
+        except SpaceError as exc:
+            return JSONResponse({"status": "unready", "database": exc.message}, status_code=503)
+        if revision != head:
+            return JSONResponse({"status": "unready", "database": "ok", "migration": revision,
+                                 "expected_migration": head}, status_code=503)
+        return JSONResponse({"status": "ready", "database": "ok", "migration": revision, "nodes": nodes})
 
     return app

@@ -64,6 +64,13 @@ class StoreBase:
         log.debug("store opened", dialect=engine.dialect.name)
         return cls(url, engine)
 
+    async def schema_revision(self) -> str | None:
+        """The migration the database is at now (another replica may have moved it on), read
+        with a fresh connection: also the readiness probe's check that the database answers."""
+        async with self._engine.connect() as conn:
+            revision: str | None = await _translated(conn.run_sync(db.current_revision))
+        return revision
+
     async def close(self) -> None:
         await self._engine.dispose()
         if self._fast is not None:
