@@ -54,3 +54,11 @@ async def await_exit(pid: int, timeout: float = 30.0) -> None:
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+async def until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
+    """:func:`await_for` for a plain predicate (state other tasks of this event loop change)."""
+    async def check() -> T:
+        return predicate()
+
+    return await await_for(check, timeout, what, interval)

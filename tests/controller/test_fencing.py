@@ -21,6 +21,7 @@ from space.controller import Controller, NodeRegistry
 from space.errors import LeaseLost, Unavailable
 from space.store import Operation, Store
 from tests.store.storekit import expire_lease, new_op
+from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -47,12 +48,6 @@ class Probe:
             raise
         self.finished = True
         return {"by": "first"}
-
-
-async def _wait(cond: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
 
 
 async def _start(store: Store, probe: Probe) -> tuple[Controller, NodeRegistry, Operation, asyncio.Task[None]]:
@@ -96,7 +91,7 @@ async def test_a_taken_over_operation_is_cancelled_and_its_outcome_never_recorde
         rescued = await store.claim_operation("ctl-rescuer", 30)
         assert rescued is not None and rescued.id == op.id
         stalled.set()  # it wakes up: its renewal finds the lease gone
-        await _wait(lambda: probe.cancelled)
+        await until(lambda: probe.cancelled, 10, "the handler to be cancelled")
         assert not probe.finished
         row = await store.get_operation(op.id)
         assert (row.status, row.lease_owner, row.result) == ("running", "ctl-rescuer", None)
@@ -118,7 +113,7 @@ async def test_a_controller_cut_off_from_the_database_stops_before_its_lease_cou
             raise Unavailable("database unavailable: connection refused")
 
         monkeypatch.setattr(ctl.store, "renew_lease", unreachable)
-        await _wait(lambda: probe.cancelled)
+        await until(lambda: probe.cancelled, 10, "the handler to be cancelled")
         assert not probe.finished
         row = await store.get_operation(op.id)
         assert (row.status, row.lease_owner) == ("running", ctl.owner)  # left for a later claim

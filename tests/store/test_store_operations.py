@@ -143,22 +143,29 @@ async def test_concurrent_claimers_keep_each_target_serial(store: Store) -> None
     order: dict[str, list[str]] = {t: [] for t in targets}
     overlaps: list[tuple[str, str, str]] = []
 
+    total = sum(len(ids) for ids in accepted.values())
+    finished: list[str] = []
+    progress = [anyio.Event()]  # set (and replaced) whenever an operation finishes
+
     async def claimer(st: Store, name: str) -> None:
-        idle = 0
-        while idle < 20:
+        while len(finished) < total:
+            seen = progress[0]  # taken first: a finish during the claim below has set it
             op = await st.claim_operation(name, 30)
             if op is None:
-                idle += 1
-                await anyio.sleep(0.01)
+                # Everything claimable is held up behind a running one: wait until one finishes.
+                with anyio.fail_after(30):
+                    await seen.wait()
                 continue
-            idle = 0
             if op.target in running:
                 overlaps.append((op.target, running[op.target], op.id))
             running[op.target] = op.id
             order[op.target].append(op.id)
-            await anyio.sleep(0.005)  # the work, during which another claimer tries this target
+            await st.get_operation(op.id)  # the work: a round trip, during which others claim
             del running[op.target]
             await st.finish_operation(op.id, "succeeded", owner=name)
+            finished.append(op.id)
+            progress[0].set()
+            progress[0] = anyio.Event()
 
     await on_two_pools(store, claimer, 4)
     assert overlaps == []
