@@ -73,7 +73,7 @@ class Leadership:
                 self._watchdog.cancel()
             await self._stop_leading()
             with contextlib.suppress(SpaceError, asyncio.CancelledError):
-                if self.fence is not None or self._valid_until:
+                if self._valid_until:  # it led at some point: the lease may still be its own
                     await self.store.release_lease(self.name, self.holder)
 
     def _follow_or_lead(self, fence: int | None) -> None:

@@ -67,10 +67,3 @@ class LeaseStore(StoreBase):
         """The lease's row (its holder may have let it expire: compare ``expires_at``)."""
         async with self._tx(write=False) as s:
             return await s.get(Lease, name)
-
-    async def lease_held(self, name: str, holder: str, fence: int) -> bool:
-        """Whether ``holder`` still holds ``name`` under ``fence`` and it has not expired."""
-        async with self._tx(write=False) as s:
-            now = await self._db_now(s)
-            row = await s.get(Lease, name)
-        return row is not None and row.holder == holder and row.fence == fence and row.expires_at > now

@@ -24,6 +24,7 @@ from space.store import Store
 from space.store import base as store_base
 from space.store.models import Lease
 from tests.store.storekit import on_two_pools
+from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -34,19 +35,16 @@ async def _expire(store: Store, name: str = "leader") -> None:
         await s.execute(update(Lease).where(Lease.name == name).values(expires_at=past))
 
 
-async def _wait(cond: Any, timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
-
-
 async def test_one_holder_until_it_expires_then_the_fence_grows(store: Store) -> None:
     assert await store.acquire_lease("leader", "ctl-a", 30) == 1
     assert await store.acquire_lease("leader", "ctl-b", 30) is None
     assert await store.acquire_lease("leader", "ctl-a", 30) == 1  # a renewal keeps the fence
-    assert await store.lease_held("leader", "ctl-a", 1)
+    row = await store.get_lease("leader")
+    assert row is not None and (row.holder, row.fence) == ("ctl-a", 1)
+    assert row.expires_at > dt.datetime.now(dt.UTC)
     await _expire(store)
-    assert not await store.lease_held("leader", "ctl-a", 1)
+    row = await store.get_lease("leader")
+    assert row is not None and row.expires_at <= dt.datetime.now(dt.UTC)
     assert await store.acquire_lease("leader", "ctl-b", 30) == 2
     assert await store.acquire_lease("leader", "ctl-a", 30) is None
     await _expire(store)
@@ -109,23 +107,35 @@ class Singletons:
         return run
 
 
-async def test_two_controllers_never_lead_at_once_and_a_stopped_one_is_replaced(store: Store) -> None:
+async def test_two_controllers_never_lead_at_once_and_a_stopped_one_is_replaced(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs = Singletons()
+    tries: dict[str, int] = {"ctl-a": 0, "ctl-b": 0}
+    acquire = store.acquire_lease
+
+    async def counted(name: str, holder: str, seconds: float) -> int | None:
+        got = await acquire(name, holder, seconds)
+        tries[holder] += 1
+        return got
+
+    monkeypatch.setattr(store, "acquire_lease", counted)
     lease = 1.5
     a = Leadership(store, "ctl-a", jobs.lead("ctl-a"), lease_seconds=lease)
     b = Leadership(store, "ctl-b", jobs.lead("ctl-b"), lease_seconds=lease)
     ta = asyncio.create_task(a.run())
-    await _wait(lambda: jobs.leading == {"ctl-a"})
+    await until(lambda: jobs.leading == {"ctl-a"}, 15, "ctl-a to lead")
     tb = asyncio.create_task(b.run())
     try:
-        for _ in range(3 * 3):  # three lease lengths: b keeps trying, a keeps renewing
-            await asyncio.sleep(lease / 3)
-            assert jobs.leading == {"ctl-a"} and not b.is_leader()
+        # Three lease lengths' worth of tries: b keeps trying and failing, a keeps renewing.
+        start_a = tries["ctl-a"]
+        await until(lambda: tries["ctl-b"] >= 9 and tries["ctl-a"] - start_a >= 9, 30,
+                    "nine tries of each controller")
+        assert jobs.leading == {"ctl-a"} and not b.is_leader() and b.terms == 0
         # a stops cleanly: it releases the lease and b leads on its next try.
         ta.cancel()
         await asyncio.gather(ta, return_exceptions=True)
         assert jobs.cancelled == ["ctl-a"]
-        await _wait(lambda: jobs.leading == {"ctl-b"})
+        await until(lambda: jobs.leading == {"ctl-b"}, 15, "ctl-b to lead")
         assert b.fence == 2
     finally:
         tb.cancel()
@@ -139,13 +149,13 @@ async def test_a_leader_cut_off_from_the_database_steps_down_before_its_lease_ex
     a = Leadership(store, "ctl-a", jobs.lead("ctl-a"), lease_seconds=1.5)
     ta = asyncio.create_task(a.run())
     try:
-        await _wait(lambda: jobs.leading == {"ctl-a"})
+        await until(lambda: jobs.leading == {"ctl-a"}, 15, "ctl-a to lead")
 
         async def unreachable(*args: Any, **kw: Any) -> int | None:
             raise Unavailable("database unavailable: connection refused")
 
         monkeypatch.setattr(store, "acquire_lease", unreachable)
-        await _wait(lambda: jobs.cancelled == ["ctl-a"])
+        await until(lambda: jobs.cancelled == ["ctl-a"], 15, "ctl-a's singletons to be cancelled")
         stepped_down = dt.datetime.now(dt.UTC)
         row = await store.get_lease("leader")
         # The singletons stopped while the lease still ran: no other controller could lead yet.
@@ -163,7 +173,7 @@ async def test_a_leader_that_died_is_replaced_after_its_lease(store: Store) -> N
     b = Leadership(store, "ctl-b", jobs.lead("ctl-b"), lease_seconds=1.5)
     tb = asyncio.create_task(b.run())
     try:
-        await _wait(lambda: jobs.leading == {"ctl-b"})
+        await until(lambda: jobs.leading == {"ctl-b"}, 15, "ctl-b to lead")
         row = await store.get_lease("leader")
         assert row is not None and (row.holder, row.fence) == ("ctl-b", 2)
     finally:
