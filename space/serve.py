@@ -42,6 +42,7 @@ from space.node.main import channel_dir_for
 from space.node.templates.store import BASE_SPEC
 from space.objstore import ObjectStore, s3_env
 from space.store import Store, quotas
+from space.store.wakeups import LocalWakeups
 from space.web import GracefulServer
 
 log = structlog.get_logger("space.serve")
@@ -267,6 +268,7 @@ async def serve(settings: ServeSettings) -> None:
     store: Store | None = None
     nodes: NodeRegistry | None = None
     credentials: CredentialManager | None = None
+    wakeups: LocalWakeups | None = None
     try:
         if user is not None:
             # The node agent runs (as root, under its supervisor); nothing from here on needs root.
@@ -281,8 +283,10 @@ async def serve(settings: ServeSettings) -> None:
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
         nodes = NodeRegistry(store)
         objects = ObjectStore.from_url(settings.resolved_object_store_url(), env=env)
+        wakeups = store.wakeups()  # on PostgreSQL, other control-plane processes may share it
+        await wakeups.start()
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
-                                objects=objects)
+                                objects=objects, wakeups=wakeups)
         await controller.sync_templates()
         credentials = build_manager(store, data, env=env)
         controller.lifecycle.credentials = credentials
@@ -318,6 +322,8 @@ async def serve(settings: ServeSettings) -> None:
             await credentials.aclose()
         if nodes is not None:
             await nodes.aclose()
+        if wakeups is not None:
+            await wakeups.close()
         if store is not None:
             await store.close()
         await node.stop()

@@ -41,6 +41,7 @@ from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Store
 from space.store.models import AuditRecord
+from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeups
 
 log = structlog.get_logger("space.controller")
 
@@ -78,6 +79,7 @@ class Controller:
         template_specs: dict[str, dict[str, Any]] | None = None,
         objects: ObjectStore | None = None,
         leader_lease_seconds: float = 3.0,
+        wakeups: LocalWakeups | None = None,
     ) -> None:
         self.store = store
         self.nodes = nodes
@@ -92,8 +94,13 @@ class Controller:
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
-        #: In-process waiters of operations (long-polls in this replica); others poll the store.
+        #: Waiters of operations in this process (long-polls, stream waits), woken by whichever
+        #: controller finishes the operation through :attr:`wakeups`; they poll the store as well.
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        #: How this process hears of queued and finished operations, whichever process did it.
+        self.wakeups = wakeups if wakeups is not None else LocalWakeups()
+        self.wakeups.listen(OPERATION_QUEUED, lambda _payload: self._wake.set())
+        self.wakeups.listen(OPERATION_FINISHED, self._finished_somewhere)
         self._handlers: dict[str, Handler] = {
             "sandbox.create": self._create_sandbox,
             "sandbox.delete": self._delete_sandbox,
@@ -105,8 +112,9 @@ class Controller:
             self.lifecycle.failure_handlers() | TemplateOps(self).failure_handlers()
 
     def wake(self) -> None:
-        """Tell the loop that a new operation is waiting (saves the poll interval)."""
-        self._wake.set()
+        """Tell the controllers, this one and the others, that a new operation is waiting (saves
+        them the poll interval)."""
+        self.wakeups.post(OPERATION_QUEUED, "")
 
     def watch(self, op_id: str) -> asyncio.Event:
         """An event set when this replica finishes ``op_id`` (call :meth:`unwatch` after)."""
@@ -124,6 +132,14 @@ class Controller:
     def _notify(self, op_id: str) -> None:
         for ev in self._waiters.get(op_id, ()):
             ev.set()
+
+    def _finished_somewhere(self, op_id: str | None) -> None:
+        if op_id is not None:
+            self._notify(op_id)
+            return
+        for evs in self._waiters.values():  # wake-ups may have been missed: every waiter re-reads
+            for ev in evs:
+                ev.set()
 
     # -- main loop --------------------------------------------------------------------------
 
@@ -205,7 +221,7 @@ class Controller:
         finally:
             keeper.cancel()
             self._slots.release()
-            self._notify(op.id)
+            self.wakeups.post(OPERATION_FINISHED, op.id)
 
     async def _carry_out(self, op: Operation, bound: Any) -> None:
         t0 = time.perf_counter()

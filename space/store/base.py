@@ -20,6 +20,7 @@ from sqlalchemy.orm import sessionmaker
 from space.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
 from space.store import db
 from space.store.models import Base, utcnow
+from space.store.wakeups import LocalWakeups, for_engine
 
 # One logger for the whole store, under the name it had when the store was one module.
 log = structlog.get_logger("space.store.repo")
@@ -63,6 +64,11 @@ class StoreBase:
             raise
         log.debug("store opened", dialect=engine.dialect.name)
         return cls(url, engine)
+
+    def wakeups(self) -> LocalWakeups:
+        """Wake-ups between the processes sharing this database (:mod:`space.store.wakeups`);
+        the caller starts and closes them."""
+        return for_engine(self._engine)
 
     async def schema_revision(self) -> str | None:
         """The migration the database is at now (another replica may have moved it on), read
