@@ -145,6 +145,24 @@ class LeaseLost(Conflict):
     code = "lease_lost"
 
 
+class JoinTokenRefused(Unauthorized):
+    """A join token that does not admit nodes (now): unknown, revoked, expired or used up."""
+
+    code = "join_token_refused"
+
+
+class NodeExists(Conflict):
+    """A node joined under an id another node (with another key) holds."""
+
+    code = "node_exists"
+
+
+class NodeBusy(Conflict):
+    """A node cannot be removed while sandboxes live on it."""
+
+    code = "node_busy"
+
+
 class InsufficientStorage(SpaceError):
     """The node's pool (or the object store) has no room for what was asked."""
 

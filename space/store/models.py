@@ -43,7 +43,7 @@ NAMING_CONVENTION = {
 }
 
 API_KEY_ROLES = ("admin", "member", "readonly")
-NODE_STATES = ("ready", "down")
+NODE_STATES = ("joining", "ready", "down")
 TEMPLATE_STATUSES = ("building", "ready", "failed")
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed")
 OPERATION_FINAL = ("succeeded", "failed")
@@ -125,6 +125,34 @@ class Node(Base):
     capacity: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    #: The node certificate the cluster CA issued it when it joined (PEM; None: a node reached by
+    #: a bearer token on a unix socket, ``space serve``'s own).
+    certificate: Mapped[str | None] = mapped_column(Text)
+    #: sha256 hex of the node key's public half (SubjectPublicKeyInfo DER): only the holder of
+    #: that key may join again under this node's id (a restart, a new address).
+    key_sha256: Mapped[str | None] = mapped_column(String(64))
+    #: The node agent's version, as it reported it.
+    version: Mapped[str | None] = mapped_column(String(64))
+
+
+class JoinToken(Base):
+    """A token an operator made for nodes to join with (``space node token create``): it admits
+    nodes and does nothing else. The secret half is stored as its sha256 only."""
+
+    __tablename__ = "join_tokens"
+
+    #: The public half (``spj_<id>.<secret>``), shown in listings and used to revoke it.
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    description: Mapped[str] = mapped_column(String(256), default="")
+    created_by: Mapped[str] = mapped_column(String(64), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: How many nodes joined with it, and the most it may admit (None: any number until it expires).
+    uses: Mapped[int] = mapped_column(Integer, default=0)
+    max_uses: Mapped[int | None] = mapped_column(Integer)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
 
 
 class Lease(Base):

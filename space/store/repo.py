@@ -24,6 +24,7 @@ from __future__ import annotations
 from space.store.events import EventStore
 from space.store.keys import API_KEY_PREFIX, ApiKeyStore, hash_key
 from space.store.leases import LeaseStore
+from space.store.membership import MembershipStore
 from space.store.nodes import NodeStore
 from space.store.operations import OPERATION_ACTIVE, OperationStore
 from space.store.sandboxes import SANDBOX_FIELDS, SandboxStore
@@ -46,5 +47,6 @@ class Store(
     EventStore,
     SecretStore,
     LeaseStore,
+    MembershipStore,
 ):
     """The control plane's SQL store (SQLite embedded, PostgreSQL for several replicas)."""
