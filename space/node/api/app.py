@@ -33,6 +33,7 @@ from space.errors import (
 )
 from space.guest.protocol import MAX_PAYLOAD
 from space.node.api.watch_routes import watch_router
+from space.node.capacity import node_capacity
 from space.node.network.egress import Egress
 from space.node.network.port_proxy import ports_router
 from space.node.sandboxes import stats
@@ -244,7 +245,8 @@ def create_node_app(
             "template_downloads": templates.downloads,
             "pool": usage,
             # Capacity, for placement: what the owned sandboxes may use against what there is.
-            "cpus": os.cpu_count() or 1,
+            # The agent's cgroup limits (a pod's, a slice's), not the host's totals.
+            "cpus": node_capacity().cpus,
             "memory_mb": warm.memory_mb if warm is not None else node_memory_mb(),
             "committed_cpu": round(sum(sb.cpu for sb in owned), 3),
             "committed_memory_mb": sum(sb.memory_mb for sb in owned),

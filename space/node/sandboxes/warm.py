@@ -38,6 +38,7 @@ import structlog
 
 from space import ids
 from space.errors import InvalidRequest, PoolEmpty, SpaceError
+from space.node.capacity import node_capacity
 from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 
 log = structlog.get_logger("space.node.sandboxes.warm")
@@ -86,11 +87,8 @@ class _KeyState:
 
 
 def node_memory_mb() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    return 0
+    """The memory this node may give sandboxes: its cgroup's limit, at most the machine's."""
+    return node_capacity().memory_mb
 
 
 class WarmPool:

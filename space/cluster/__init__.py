@@ -1,0 +1,1 @@
+"""Cluster membership: the cluster CA, node certificates and join tokens."""
