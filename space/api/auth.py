@@ -12,7 +12,7 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.api.limits import has_body
-from space.errors import Forbidden, SpaceError, Unauthorized
+from space.errors import Forbidden, JoinTokenRefused, SpaceError, Unauthorized
 from space.web import error_response
 
 ROLES = ("admin", "member", "readonly")
@@ -102,6 +102,20 @@ def _digest(key: str) -> bytes:
 _AUTHENTICATED = "space.principal"
 
 
+#: The one route whose body is authenticated by a join token (space.api.nodes.join).
+JOIN_PATH = "/v1/nodes/join"
+
+
+async def join_token(request: Request) -> str:
+    """The join token a request carries if it admits nodes now (:class:`JoinTokenRefused` if not)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise JoinTokenRefused("a join needs Authorization: Bearer <join token>")
+    await request.app.state.space.store.check_join_token(token)
+    return token
+
+
 async def principal(request: Request) -> Principal:
     who = request.scope.get(_AUTHENTICATED)
     if isinstance(who, Principal):
@@ -166,7 +180,10 @@ class AuthenticateFirst:
         if scope["type"] == "http" and scope["path"].startswith(self.prefix) and has_body(scope):
             request = Request(scope)
             try:
-                scope[_AUTHENTICATED] = await principal(request)
+                if scope["path"] == JOIN_PATH:
+                    await join_token(request)  # a node joining holds a join token, not an API key
+                else:
+                    scope[_AUTHENTICATED] = await principal(request)
             except SpaceError as exc:
                 await error_response(exc)(scope, receive, send)
                 return

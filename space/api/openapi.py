@@ -42,7 +42,7 @@ RAW_BODY: dict[str, Any] = {"requestBody": {"content": {
 _MUTATING = frozenset({"post", "put", "patch", "delete"})
 #: Reads that check the key's role or tenant (403): the operator's views, and every read of a named
 #: tenant (a key reads only its own), whatever is added under /v1/tenants/{tenant}/ next.
-_ROLE_CHECKED_READS = re.compile(r"^/v1/(audit|apikeys|nodes)$|^/v1/tenants/\{tenant\}/")
+_ROLE_CHECKED_READS = re.compile(r"^/v1/(audit|apikeys)$|^/v1/nodes(/|$)|^/v1/tenants/\{tenant\}/")
 #: Operations that talk to a sandbox's guest through its node: whatever the node answers comes
 #: back (a 502 from a server in the sandbox, 503 without a node, 504 when a wake takes too long,
 #: 507 when the sandbox's disk is full), and the sandbox's state may refuse them (409).
@@ -55,15 +55,16 @@ _QUOTA_CHECKED = frozenset({
 })
 #: Operations that need a part of the deployment that may not be configured, or a node (503).
 _MAY_BE_UNAVAILABLE = re.compile(
-    r"^/v1/(secrets|templates/blobs|pools)|^/v1/sandboxes(/\{sandbox_id\}/(snapshots|policy|restore|fork))?$")
+    r"^/v1/(secrets|templates/blobs|pools|nodes/(tokens|join))|^/v1/sandboxes(/\{sandbox_id\}/(snapshots|policy|restore|fork))?$")
 
 _DESCRIPTIONS = {
     400: "Invalid request (`invalid_request`, `invalid_path`)",
-    401: "Missing or unknown API key (`unauthorized`)",
+    401: "Missing or unknown API key (`unauthorized`), or a join token that admits no node (`join_token_refused`)",
     403: "The key's role or tenant does not allow it (`forbidden`)",
     404: "Not found, or another tenant's (`not_found`)",
     408: "The request's body stopped arriving (`request_timeout`)",
-    409: "Conflicts with the current state (`conflict`, `invalid_state`, `snapshot_corrupt`)",
+    409: "Conflicts with the current state (`conflict`, `invalid_state`, `snapshot_corrupt`, `node_exists`, "
+         "`node_busy`)",
     413: "The request's body is larger than its route allows (`too_large`)",
     422: "A parameter or the body fails validation (`validation_failed`)",
     429: "Over the tenant's quota (`quota_exceeded`)",

@@ -9,6 +9,7 @@ from fastapi import Request
 from space.api.auditing import AuditWriter
 from space.api.auth import KeyCache
 from space.api.quota_cache import QuotaCache
+from space.cluster.pki import ClusterCA
 from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager
 from space.egress_policy import IPNetwork
@@ -36,6 +37,8 @@ class AppState:
     egress_ceiling: tuple[IPNetwork, ...] = ()
     #: E2B's host form ``<port>-<sandbox id>.<domain>`` is routed to sandboxes when set.
     e2b_domain: str | None = None
+    #: Signs the certificates of nodes that join (space.api.nodes); None: no node can join.
+    cluster_ca: ClusterCA | None = None
     #: Where the audit middleware's records go (space.api.auditing); closed by the server on exit.
     audit: AuditWriter = dataclasses.field(init=False)
 

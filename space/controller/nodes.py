@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import structlog
 
+from space.cluster.identity import ControlPlaneTLS
 from space.controller import placement
 from space.errors import NotFound, Unavailable
 from space.node.api.client import NodeClient
@@ -18,13 +20,28 @@ log = structlog.get_logger("space.controller.nodes")
 LIVE_STATES = ["creating", "running", "paused", "restoring", "suspending"]
 
 
-class NodeRegistry:
-    """Node clients built from the ``nodes`` table (the database is the truth, this is a cache)."""
+@dataclasses.dataclass
+class _Cached:
+    client: NodeClient
+    #: What the client was built from: a node that joined again (new address, new certificate)
+    #: or a re-minted client certificate gets a new client.
+    identity: tuple[str, str, str | None, int]
+    checked_at: float
 
-    def __init__(self, store: Store, *, rows_ttl: float = 1.0) -> None:
+
+class NodeRegistry:
+    """Node clients built from the ``nodes`` table (the database is the truth, this is a cache).
+
+    Another replica may admit a node again at a new address at any moment: a cached client is
+    checked against the node's row when it is more than ``rows_ttl`` seconds old, and dropped at
+    once when the node stops answering."""
+
+    def __init__(self, store: Store, *, rows_ttl: float = 1.0, tls: ControlPlaneTLS | None = None) -> None:
         self.store = store
-        self._clients: dict[str, NodeClient] = {}
+        self.tls = tls
+        self._clients: dict[str, _Cached] = {}
         self.rows_ttl = rows_ttl
+        self._closing: set[asyncio.Task[None]] = set()
         self._rows: tuple[float, list[Node]] | None = None
         self._rows_lock = asyncio.Lock()
 
@@ -50,21 +67,38 @@ class NodeRegistry:
                 and time.monotonic() - self._rows[0] <= self.rows_ttl)
 
     async def client(self, node_id: str) -> NodeClient:
-        c = self._clients.get(node_id)
-        if c is not None:
-            return c
+        cached = self._clients.get(node_id)
+        now = time.monotonic()
+        generation = self.tls.generation if self.tls is not None else 0
+        if cached is not None and now - cached.checked_at <= self.rows_ttl and cached.identity[3] == generation:
+            return cached.client
         try:
             row = await self.store.get_node(node_id)
         except NotFound:
+            await self.forget(node_id)
             raise Unavailable(f"node {node_id} is not registered") from None
-        c = NodeClient(row.id, row.url, row.token)
-        self._clients[node_id] = c
+        tls = self.tls.context() if self.tls is not None and row.url.startswith("https://") else None
+        identity = (row.url, row.token, row.key_sha256, self.tls.generation if self.tls is not None else 0)
+        if cached is not None and cached.identity == identity:
+            cached.checked_at = now
+            return cached.client
+        if cached is not None:
+            log.info("node.client_replaced", node=node_id, url=row.url)
+            self._retire(cached.client)
+        c = NodeClient(row.id, row.url, row.token, tls=tls)
+        self._clients[node_id] = _Cached(c, identity, now)
         return c
 
+    def _retire(self, client: NodeClient) -> None:
+        # Calls in flight on the old client finish on it; it is closed once they have.
+        task = asyncio.create_task(_close_later(client))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def forget(self, node_id: str) -> None:
-        c = self._clients.pop(node_id, None)
-        if c is not None:
-            await c.aclose()
+        cached = self._clients.pop(node_id, None)
+        if cached is not None:
+            self._retire(cached.client)
 
     async def ready_nodes(self) -> list[NodeClient]:
         return [await self.client(n.id) for n in await self.store.list_nodes("ready")]
@@ -93,6 +127,20 @@ class NodeRegistry:
         return out
 
     async def aclose(self) -> None:
-        for c in self._clients.values():
-            await c.aclose()
+        for cached in self._clients.values():
+            await cached.client.aclose()
         self._clients.clear()
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+#: How long a replaced client stays open for the calls that were made on it.
+RETIRE_AFTER = 300.0
+
+
+async def _close_later(client: NodeClient) -> None:
+    try:
+        await asyncio.sleep(RETIRE_AFTER)
+    finally:
+        await client.aclose()

@@ -154,11 +154,12 @@ def test_roles_and_the_operator(server: Server, api: httpx.Client, make_tenant: 
     # Audit: a tenant admin reads its own; not another's; a member reads none.
     err(a.admin.get("/v1/audit", params={"tenant": b.name}), 403, "forbidden")
     err(a.member.get("/v1/audit"), 403, "forbidden")
-    # Platform-wide actions are the operator's, not any tenant admin's: registering a node (it would
-    # get other tenants' sandboxes and secrets), warm pools, templates (shared by every tenant).
-    err(a.admin.post("/v1/nodes", json={"id": "rogue", "url": "http://127.0.0.1:1", "token": "t" * 40}), 403,
-        "forbidden")
+    # Platform-wide actions are the operator's, not any tenant admin's: admitting nodes (a node
+    # gets other tenants' sandboxes and secrets), warm pools, templates (shared by every tenant).
+    err(a.admin.post("/v1/nodes/tokens", json={}), 403, "forbidden")
     err(a.admin.get("/v1/nodes"), 403, "forbidden")
+    err(a.admin.get("/v1/nodes/tokens"), 403, "forbidden")
+    err(a.admin.delete("/v1/nodes/node-1"), 403, "forbidden")
     err(a.admin.put("/v1/pools/base", json={"size": 1}), 403, "forbidden")
     err(a.admin.post("/v1/templates/rogue/build", json={}), 403, "forbidden")
     err(a.admin.post("/v1/templates", json={"name": "rogue", "sandbox_id": "s0000000000000000000"}), 403,

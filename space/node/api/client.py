@@ -1,9 +1,12 @@
-"""The control plane's client for a node API (HTTP over a unix socket or TCP)."""
+"""The control plane's client for a node API: HTTP over a unix socket with a bearer token (``space
+serve``'s own node), or HTTPS with mutual TLS (a node that joined: it is known by its certificate,
+and knows the caller by the control plane's client certificate; there is no token to steal)."""
 
 from __future__ import annotations
 
 import json
 import re
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,19 +29,28 @@ def _checked(path: str) -> str:
 
 
 class NodeClient:
-    def __init__(self, node_id: str, url: str, token: str, *, timeout: float = 120.0) -> None:
+    def __init__(self, node_id: str, url: str, token: str, *, timeout: float = 120.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.node_id = node_id
         self.url = url
+        headers = {}
         if url.startswith("unix://"):
             transport = httpx.AsyncHTTPTransport(uds=url[len("unix://"):])
             base = "http://node"
-        else:
-            transport = httpx.AsyncHTTPTransport()
+            headers["authorization"] = f"Bearer {token}"
+        elif url.startswith("https://"):
+            if tls is None:
+                raise Unavailable(f"node {node_id} is at {url}, and this process holds no cluster "
+                                  "client certificate to reach it with")
+            transport = httpx.AsyncHTTPTransport(verify=tls)
             base = url
+        else:
+            raise Unavailable(f"node {node_id} is at {url[:100]!r}: a node is reached over a unix socket "
+                              "or over mutual TLS (https://), nothing else")
         self._http = httpx.AsyncClient(
             transport=transport,
             base_url=base,
-            headers={"authorization": f"Bearer {token}"},
+            headers=headers,
             timeout=httpx.Timeout(timeout, connect=5.0),
         )
 
