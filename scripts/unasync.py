@@ -39,6 +39,8 @@ REPLACEMENTS = {
     "AsyncTemplates": "Templates",
     "AsyncApiKeys": "ApiKeys",
     "AsyncPools": "Pools",
+    "AsyncNodes": "Nodes",
+    "AsyncJoinTokens": "JoinTokens",
     "AsyncQuotas": "Quotas",
     "AsyncAudit": "Audit",
     "AsyncSecrets": "Secrets",

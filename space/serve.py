@@ -31,15 +31,18 @@ from space import childenv, objauth, privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
 from space.api.templates import queue_build
+from space.cluster.identity import ControlPlaneTLS
+from space.cluster.keys import CLUSTER_CA_CERT, CLUSTER_CA_KEY
+from space.cluster.pki import ClusterCA, write_private
 from space.config import DEFAULT_QUOTA, ServeSettings
 from space.controller import Controller, NodeRegistry
+from space.controlplane import TEMPLATE_SPECS
 from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling
 from space.errors import NotFound, SpaceError, Unavailable
 from space.httpserver import BoundedHttp
 from space.node.api.client import NodeClient
 from space.node.main import channel_dir_for
-from space.node.templates.store import BASE_SPEC
 from space.objstore import ObjectStore, s3_env
 from space.store import Store, quotas
 from space.store.wakeups import LocalWakeups
@@ -48,7 +51,6 @@ from space.web import GracefulServer
 log = structlog.get_logger("space.serve")
 
 NODE_ID = "node-1"
-TEMPLATE_SPECS = {"base": BASE_SPEC}
 
 
 def manifest_key_file(data: Path, env: Mapping[str, str]) -> Path | None:
@@ -59,6 +61,18 @@ def manifest_key_file(data: Path, env: Mapping[str, str]) -> Path | None:
     if env.get(objauth.ENV_VAR, "").strip():
         return None
     return data / objauth.KEY_FILE
+
+
+def ensure_cluster_ca(data: Path) -> ClusterCA:
+    """The deployment's cluster CA, made in the data directory on first start: nodes on other
+    machines may join this server (``space node token create``) like a replicated control plane."""
+    cert, key = data / CLUSTER_CA_CERT.file, data / CLUSTER_CA_KEY.file
+    if not key.exists():
+        ca = ClusterCA.create()
+        write_private(cert, ca.cert_pem)
+        write_private(key, ca.key_pem)
+        return ca
+    return ClusterCA.load(cert.read_bytes(), key.read_bytes())
 
 
 def _secret_file(path: Path, nbytes: int = 32) -> str:
@@ -250,6 +264,7 @@ async def serve(settings: ServeSettings) -> None:
     user = privdrop.resolve_user(settings.user)
     serve_state.migrate_layout(settings)
     secret = _secret_file(data / "secret.key")
+    cluster_ca = ensure_cluster_ca(data)
     token_file = data / "node.token"
     token = _secret_file(token_file)
     socket = channel_dir_for(data) / "node.sock"
@@ -281,7 +296,7 @@ async def serve(settings: ServeSettings) -> None:
         await ensure_admin_key(store, data, settings.operator_tenant)
         await seed_quotas(store, settings)
         await store.upsert_node(NODE_ID, f"unix://{socket}", token, {"pool": info.get("pool")})
-        nodes = NodeRegistry(store)
+        nodes = NodeRegistry(store, tls=ControlPlaneTLS(cluster_ca, "serve"))
         objects = ObjectStore.from_url(settings.resolved_object_store_url(), env=env)
         wakeups = store.wakeups()  # on PostgreSQL, other control-plane processes may share it
         await wakeups.start()
@@ -295,7 +310,8 @@ async def serve(settings: ServeSettings) -> None:
                          sandbox_disk_mb=settings.sandbox_disk_mb,
                          operator_tenant=settings.operator_tenant,
                          egress_ceiling=parse_ceiling(settings.egress_ceiling),
-                         e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None)
+                         e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
+                         cluster_ca=cluster_ca)
         await bootstrap_templates(state, settings.bootstrap_templates)
         await seed_warm_pool(state, serve_state.control_dir(settings), settings.warm_pool)
         await controller.push_warm_pools()

@@ -10,8 +10,8 @@ What the service user gets (see :func:`own_serve_state`):
   there, never meets a file the API planted.
 - ``<data>/control/`` (0700, the user's): the SQLite database, which needs a directory of its own
   to create its ``-wal``/``-shm`` files in, and the warm-pool seed marker.
-- ``<data>/{secret,master,admin}.key``: the user's, 0600 (made by root first, so that the user
-  needs no write access to ``<data>/``).
+- ``<data>/{secret,master,admin}.key``, ``<data>/cluster-ca.{pem,key}``: the user's, 0600 (made
+  by root first, so that the user needs no write access to ``<data>/``).
 - the local object store directory: root's, with POSIX ACLs giving the user's group rwx on
   every directory and rw on every file, inherited (default ACL) by whatever either side creates
   later, whatever its umask: the node agent writes snapshots there as root and the API deletes
@@ -38,7 +38,7 @@ from space.privdrop import PrivilegeError, ServiceUser, require_access, require_
 log = structlog.get_logger("space.serve_state")
 
 #: Files of ``<data>/`` that hold the API's secrets.
-KEY_FILES = ("secret.key", "master.key", "admin.key")
+KEY_FILES = ("secret.key", "master.key", "admin.key", "cluster-ca.pem", "cluster-ca.key")
 
 
 # ---- handing the API's state to the user -----------------------------------------------------------

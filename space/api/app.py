@@ -81,12 +81,12 @@ def create_app(state: AppState) -> FastAPI:
         (a replica of a newer or older release waits out a migration instead of taking traffic)."""
         try:
             revision = await state.store.schema_revision()
+            if revision != head:  # before anything reads tables of another schema
+                return JSONResponse({"status": "unready", "database": "ok", "migration": revision,
+                                     "expected_migration": head}, status_code=503)
             nodes = len(await state.store.list_nodes("ready"))
         except SpaceError as exc:
             return JSONResponse({"status": "unready", "database": exc.message}, status_code=503)
-        if revision != head:
-            return JSONResponse({"status": "unready", "database": "ok", "migration": revision,
-                                 "expected_migration": head}, status_code=503)
         return JSONResponse({"status": "ready", "database": "ok", "migration": revision, "nodes": nodes})
 
     return app

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-node_app = typer.Typer(help="Run or clean up a node agent (node-local services).", no_args_is_help=True)
+# The agent's own commands join the client-side ``space node`` group (list, get, remove, token).
+from space.cli.nodes import app as node_app
 
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where SPACE keeps its state.",
                                        envvar="SPACE_DATA_DIR")]
@@ -120,15 +121,32 @@ def parse_quota(spec: str) -> dict[str, int | float | None]:
 @node_app.command("run")
 def node_run(
     data_dir: DataDir,
-    token_file: Annotated[Path, typer.Option("--token-file", help="File holding the node API token.")],
-    socket: Annotated[Path | None, typer.Option("--socket", help="Serve on this unix socket.")] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", help="File holding the bearer token the control plane presents on --socket.")] = None,
+    socket: Annotated[Path | None, typer.Option("--socket", help="Serve on this unix socket (space serve's node).")]
+    = None,
     socket_group: Annotated[int | None, typer.Option(
         "--socket-group", help="GID that may connect to --socket (space serve's unprivileged API).")] = None,
-    listen: Annotated[str | None, typer.Option("--listen", help="Serve on HOST:PORT instead.")] = None,
+    listen: Annotated[str | None, typer.Option(
+        "--listen", help="Serve the node API on HOST:PORT over mutual TLS (needs the --join-* options).")] = None,
+    join_token_file: Annotated[Path | None, typer.Option(
+        "--join-token-file", envvar="SPACE_JOIN_TOKEN_FILE",
+        help="File holding a join token (space node token create).")] = None,
+    control_url: Annotated[str | None, typer.Option(
+        "--control-url", envvar="SPACE_CONTROL_URL",
+        help="The control plane's API to join, https://… (http:// to a loopback address only).")] = None,
+    advertise_url: Annotated[str | None, typer.Option(
+        "--advertise-url", envvar="SPACE_ADVERTISE_URL",
+        help="https://NAME:PORT the control plane reaches this node at (NAME goes in its certificate).")] = None,
+    control_ca_file: Annotated[Path | None, typer.Option(
+        "--control-ca-file", envvar="SPACE_CONTROL_CA_FILE",
+        help="CA certificates (PEM) to check the control plane's HTTPS certificate with (default: the system's).")]
+    = None,
     user: Annotated[str, typer.Option(
         "--user", envvar="SPACE_NODE_USER",
         help="Drop to this user once the root helper runs ('root': keep root).")] = "space-node",
-    node_id: Annotated[str, typer.Option("--node-id")] = "node-1",
+    node_id: Annotated[str | None, typer.Option(
+        "--node-id", envvar="SPACE_NODE_ID", help="This node's name (default: the host name).")] = None,
     cache_dir: CacheDir = Path("/var/cache/space"),
     pool_size_gb: Annotated[int, typer.Option("--pool-size-gb")] = 64,
     pool_reserve_mb: Annotated[int | None, typer.Option(
@@ -142,17 +160,14 @@ def node_run(
     object_store_url: Annotated[str | None, typer.Option(
         "--object-store-url", envvar="SPACE_OBJECT_STORE_URL",
         help="Directory or s3:// URL shared by the nodes (suspend/restore, templates).")] = None,
-    register: Annotated[str | None, typer.Option(
-        "--register", help="Control plane URL to register this node with (needs --listen).")] = None,
-    api_key_file: Annotated[Path | None, typer.Option(
-        "--api-key-file", help="File holding an admin API key, for --register.")] = None,
     network: Annotated[bool, typer.Option(
         "--network/--no-network",
         help="Isolate each sandbox in its own network namespace behind the node's egress gateway "
              "(off: loopback only).")] = True,
     egress_ca_dir: Annotated[Path | None, typer.Option(
         "--egress-ca-dir", envvar="SPACE_EGRESS_CA_DIR",
-        help="The deployment's egress CA (the same on every node); default <data-dir>/egress-ca.")] = None,
+        help="The deployment's egress CA (the same on every node; required to join a cluster); "
+             "default <data-dir>/egress-ca.")] = None,
     egress_private: Annotated[list[str] | None, typer.Option(
         "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR",
         help="A private range sandbox egress policies may open on this node (repeatable; give every "
@@ -167,14 +182,33 @@ def node_run(
         "--secrets-fd", hidden=True,
         help="An inherited pipe holding the node's secrets as JSON (space serve's supervisor writes it).")] = None,
 ) -> None:
-    """Run a node agent."""
+    """Run a node agent: space serve's own (--socket), or a cluster's (--listen and --join-*)."""
+    import socket as socketlib
+
     from space import logs, objauth
     from space.node.main import NodeSettings, run
+    from space.node.membership import JoinError, JoinSettings, check_control_url
 
     if (socket is None) == (listen is None):
         raise typer.BadParameter("give exactly one of --socket or --listen")
-    if register is not None and (listen is None or api_key_file is None):
-        raise typer.BadParameter("--register needs --listen and --api-key-file")
+    join = None
+    if listen is not None:
+        if join_token_file is None or control_url is None or advertise_url is None:
+            raise typer.BadParameter("--listen serves over mutual TLS: it needs --join-token-file, --control-url "
+                                     "and --advertise-url")
+        try:
+            check_control_url(control_url)
+        except JoinError as e:
+            raise typer.BadParameter(e.message, param_hint="--control-url") from None
+        if network and (egress_ca_dir is None or not (egress_ca_dir / "mitmproxy-ca.pem").exists()):
+            # A CA made up here would be this node's alone: sandboxes moved between nodes would
+            # stop trusting their gateway.
+            raise typer.BadParameter("a cluster's node is given the deployment's egress CA: --egress-ca-dir DIR "
+                                     "holding mitmproxy-ca.pem (or --no-network)", param_hint="--egress-ca-dir")
+        join = JoinSettings(control_url=control_url, token_file=join_token_file, advertise_url=advertise_url,
+                            control_ca_file=control_ca_file)
+    elif token_file is None:
+        raise typer.BadParameter("--socket needs --token-file")
     secrets = read_secrets(secrets_fd) if secrets_fd is not None else None
     # The deployment's manifest key: from space serve's secrets pipe, else this process's env.
     key_env = {**os.environ, **(secrets or {}).get("manifest", {})}
@@ -189,17 +223,22 @@ def node_run(
     # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
     os.environ.pop(objauth.ENV_VAR, None)
     logs.configure(log_level)
-    run(NodeSettings(
-        data_dir=data_dir, socket=socket, listen=listen, token=token_file.read_text().strip(),
-        node_id=node_id, cache_dir=cache_dir, pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
-        pool_reserve_mb=pool_reserve_mb, sandbox_disk_mb=sandbox_disk_mb,
-        die_with_parent=die_with_parent, object_store_url=object_store_url,
-        register_url=register, register_key=api_key_file.read_text().strip() if api_key_file else None,
-        network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
-        egress_ceiling=_ceiling(egress_private),
-        object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
-        manifest_keys=keys,
-    ))
+    try:
+        run(NodeSettings(
+            data_dir=data_dir, socket=socket, listen=listen,
+            token=token_file.read_text().strip() if token_file is not None else "",
+            node_id=node_id or socketlib.gethostname().split(".")[0], cache_dir=cache_dir,
+            pool_size_gb=pool_size_gb, max_upload_bytes=max_upload_bytes,
+            pool_reserve_mb=pool_reserve_mb, sandbox_disk_mb=sandbox_disk_mb,
+            die_with_parent=die_with_parent, object_store_url=object_store_url, join=join,
+            network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
+            egress_ceiling=_ceiling(egress_private),
+            object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
+            manifest_keys=keys,
+        ))
+    except JoinError as e:
+        typer.echo(f"space node run: {e.message}", err=True)
+        raise typer.Exit(2) from None
 
 
 #: The largest secrets document a node agent reads (its supervisor's limit is lower).
@@ -280,7 +319,90 @@ def objects_migrate(
     raise typer.Exit(0 if report.ok else 1)
 
 
+# ---- the replicated control plane ----------------------------------------------------------------
+
+DatabaseUrl = Annotated[str, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
+                                          help="The shared PostgreSQL database (postgresql+asyncpg://…).")]
+ObjectStoreUrl = Annotated[str, typer.Option("--object-store-url", envvar="SPACE_OBJECT_STORE_URL",
+                                             help="The shared object store (s3://BUCKET/PREFIX, or a directory).")]
+KeysDir = Annotated[Path | None, typer.Option(
+    "--keys-dir", envvar="SPACE_KEYS_DIR",
+    help="Directory holding the shared keys (space keys generate); each may be given by its variable instead.")]
+LogLevel = Annotated[str, typer.Option("--log-level")]
+
+
+def api(
+    database_url: DatabaseUrl,
+    object_store_url: ObjectStoreUrl,
+    keys_dir: KeysDir = None,
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT of the API.", envvar="SPACE_LISTEN")]
+    = "0.0.0.0:8080",
+    sandbox_disk_mb: Annotated[int, typer.Option("--sandbox-disk-mb", min=16)] = 10240,
+    default_quota: Annotated[str | None, typer.Option("--default-quota", envvar="SPACE_DEFAULT_QUOTA")] = None,
+    max_upload_mb: Annotated[int, typer.Option("--max-upload-mb", help="Largest file upload.")] = 1024,
+    no_bootstrap: Annotated[bool, typer.Option("--no-bootstrap", help="Don't queue a build of 'base' when missing.")]
+    = False,
+    operator_tenant: Annotated[str, typer.Option("--operator-tenant", envvar="SPACE_OPERATOR_TENANT")] = "default",
+    egress_private: Annotated[list[str] | None, typer.Option(
+        "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR")] = None,
+    e2b_domain: Annotated[str | None, typer.Option("--e2b-domain", envvar="SPACE_E2B_DOMAIN")] = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run one API replica (stateless; run any number behind a load balancer)."""
+    from space import controlplane, logs
+
+    logs.configure(log_level)
+    controlplane.run("api", controlplane.ControlPlaneSettings(
+        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir, listen=listen,
+        sandbox_disk_mb=sandbox_disk_mb, max_upload_bytes=max_upload_mb << 20, operator_tenant=operator_tenant,
+        default_quota=parse_quota(default_quota) if default_quota is not None else None,
+        bootstrap_templates=() if no_bootstrap else ("base",), egress_ceiling=_ceiling(egress_private),
+        e2b_domain=e2b_domain))
+
+
+def controller(
+    database_url: DatabaseUrl,
+    object_store_url: ObjectStoreUrl,
+    keys_dir: KeysDir = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run one controller (run several: they share the work, one leads)."""
+    from space import controlplane, logs
+
+    logs.configure(log_level)
+    controlplane.run("controller", controlplane.ControlPlaneSettings(
+        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir))
+
+
+keys_app = typer.Typer(help="The deployment's shared keys.", no_args_is_help=True)
+
+
+@keys_app.command("generate")
+def keys_generate(directory: Annotated[Path, typer.Argument(help="Where to write them (made 0700).")]) -> None:
+    """Make a deployment's shared keys once: the control plane's (signing, credential master, cluster
+    CA) and the nodes' (egress CA in egress-ca/, manifest key). Refuses to replace any."""
+    from space import objauth
+    from space.cluster import keys
+    from space.gateway.ca import ensure_ca
+
+    try:
+        written = keys.generate(directory)
+    except keys.SharedKeyError as e:
+        raise typer.BadParameter(e.message) from None
+    if not (directory / objauth.KEY_FILE).exists():
+        objauth.create_key_file(directory / objauth.KEY_FILE)
+        written.append(directory / objauth.KEY_FILE)
+    cert, key = ensure_ca(directory / "egress-ca")
+    for path in [*written, cert, key]:
+        typer.echo(str(path))
+    typer.echo("control plane: give every api and controller replica "
+               f"{', '.join(s.file for s in keys.ALL)} (--keys-dir); nodes: egress-ca/ (--egress-ca-dir) and "
+               f"{objauth.KEY_FILE} (--manifest-key-file)", err=True)
+
+
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
-    app.add_typer(node_app, name="node")
+    app.command("api")(api)
+    app.command("controller")(controller)
+    app.add_typer(keys_app, name="keys")
     app.add_typer(objects_app, name="objects")

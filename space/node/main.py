@@ -20,10 +20,12 @@ import uvicorn
 
 from space import childenv
 from space import guest as guest_pkg
+from space.node import membership
 from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.launch import HelperProcess
 from space.node.helper.verbs import GatewayConfig, HelperContext
+from space.node.membership import JoinSettings, NodeTLSFiles
 from space.node.network import build_net
 from space.node.network.egress import Egress
 from space.node.network.gateway import GatewayHandle
@@ -57,7 +59,7 @@ class NodeSettings:
     socket: Path | None
     #: ``HOST:PORT`` to serve on instead of a socket (multi-node).
     listen: str | None
-    #: Bearer token the control plane must present.
+    #: Bearer token the control plane must present on ``socket`` (a joined node: mutual TLS instead).
     token: str
     node_id: str = "node-1"
     #: Host-wide cache of debootstrap downloads and exported template streams.
@@ -78,9 +80,8 @@ class NodeSettings:
     object_store_env: dict[str, str] | None = dataclasses.field(default=None, repr=False)
     #: The deployment's manifest keys (:mod:`space.objauth`): required with an object store.
     manifest_keys: ManifestKeys | None = None
-    #: Control plane to register with on start (multi-node), with an admin API key.
-    register_url: str | None = None
-    register_key: str | None = None
+    #: Join the cluster on start and serve ``listen`` over mutual TLS (space.node.membership).
+    join: JoinSettings | None = None
     #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
     #: Warm-pool sandboxes booted at the same time (each boot takes most of a core for ~0.4 s).
     warm_concurrency: int = 1
@@ -303,6 +304,12 @@ async def start_egress(settings: NodeSettings, priv: Privileged) -> Egress:
 async def serve_node(settings: NodeSettings) -> None:
     if settings.die_with_parent:
         _die_with_parent()
+    files = None
+    if settings.join is not None:
+        # First, as root: a node that cannot join starts nothing; its files are the agent's after the
+        # drop (give_node_state hands it the node state tree).
+        files = await membership.join(settings.join, settings.node_id,
+                                      NodeTLSFiles.under(node_state_dir(settings.data_dir)))
     node = await build_node(settings)
     templates, manager, warm = node.templates, node.manager, node.warm
     app = create_node_app(
@@ -323,10 +330,15 @@ async def serve_node(settings: NodeSettings) -> None:
         config = uvicorn.Config(app, uds=str(settings.socket), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5)
     else:
-        assert settings.listen
+        assert settings.listen and files is not None
         host, _, port = settings.listen.rpartition(":")
         config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                ssl_certfile=str(files.cert), ssl_keyfile=str(files.key))
+        config.load()
+        # The cluster's context (client certificates from the cluster CA required), not the one
+        # uvicorn builds from its options, which knows no client authentication policy of ours.
+        config.ssl = files.server_context()
     server = GracefulServer(config)
     log.info("node.serving", node=settings.node_id, socket=str(settings.socket), listen=settings.listen)
     monitor = asyncio.create_task(manager.monitor())
@@ -336,10 +348,6 @@ async def serve_node(settings: NodeSettings) -> None:
     serving = asyncio.create_task(server.serve())
     helper_watch = asyncio.create_task(_exit_with_helper(node.helper, server))
     try:
-        if settings.register_url:
-            while not server.started and not serving.done():
-                await asyncio.sleep(0.02)
-            await register_node(settings)
         await serving
         if helper_watch.done() and helper_watch.result():
             raise SystemExit(3)  # the supervisor restarts us, and we start a new helper
@@ -367,20 +375,6 @@ async def _exit_with_helper(helper: HelperProcess | None, server: uvicorn.Server
     log.error("helper.died", returncode=code)
     server.should_exit = True
     return True
-
-
-async def register_node(settings: NodeSettings) -> None:
-    """Tell the control plane where this node is (idempotent: a restart registers again)."""
-    import httpx
-
-    assert settings.listen and settings.register_url
-    body = {"id": settings.node_id, "url": f"http://{settings.listen}", "token": settings.token}
-    async with httpx.AsyncClient(base_url=settings.register_url, timeout=30) as http:
-        resp = await http.post("/v1/nodes", json=body,
-                               headers={"authorization": f"Bearer {settings.register_key}"})
-    if resp.status_code >= 300:
-        raise RuntimeError(f"registering with {settings.register_url} failed: {resp.status_code} {resp.text[:300]}")
-    log.info("node.registered", node=settings.node_id, control_plane=settings.register_url)
 
 
 async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space")) -> int:

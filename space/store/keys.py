@@ -9,7 +9,7 @@ import secrets
 from sqlalchemy import func, select
 
 from space import ids
-from space.errors import InvalidRequest
+from space.errors import Conflict, InvalidRequest
 from space.store.base import StoreBase
 from space.store.models import API_KEY_ROLES, ApiKey, utcnow
 
@@ -63,6 +63,20 @@ class ApiKeyStore(StoreBase):
             row = await self._get(s, ApiKey, key_id, "api key", lock=True)
             if row.revoked_at is None:
                 row.revoked_at = utcnow()
+
+    async def seed_admin_key(self, tenant: str, key: str) -> bool:
+        """Store ``key`` (given by the operator) as an admin key of ``tenant`` if no key exists at
+        all. Several replicas may race to: the key's hash is unique, so one row results. Returns
+        whether this call stored it."""
+        try:
+            async with self._tx() as s:
+                if await s.scalar(select(func.count()).select_from(ApiKey)):
+                    return False
+                s.add(ApiKey(id=ids.apikey_id(), tenant=tenant, role="admin", name="bootstrap admin",
+                             prefix=key[:8], key_hash=hash_key(key), created_at=utcnow(), revoked_at=None))
+        except Conflict:  # another replica stored the same key first
+            return False
+        return True
 
     async def count_api_keys(self) -> int:
         """Active (unrevoked) keys: zero means the server must bootstrap an admin key."""

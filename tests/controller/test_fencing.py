@@ -75,9 +75,11 @@ async def test_a_taken_over_operation_is_cancelled_and_its_outcome_never_recorde
         # The first controller stalls (as a long GC pause or a partition would make it): its
         # renewal waits, and it claims nothing more (else it would take its own op back).
         stalled = asyncio.Event()
+        entered = asyncio.Event()
         renew = ctl.store.renew_lease
 
         async def stalled_renew(*args: Any, **kw: Any) -> bool:
+            entered.set()
             await stalled.wait()
             return await renew(*args, **kw)
 
@@ -86,7 +88,10 @@ async def test_a_taken_over_operation_is_cancelled_and_its_outcome_never_recorde
 
         monkeypatch.setattr(ctl.store, "renew_lease", stalled_renew)
         monkeypatch.setattr(ctl, "_claim_some", claims_nothing)
-        # Meanwhile its lease runs out and another controller takes the operation over.
+        # Once its renewals stall (a renewal already under way would otherwise extend the lease
+        # right after it is expired below), its lease runs out and another controller takes over.
+        async with asyncio.timeout(10):
+            await entered.wait()
         await expire_lease(store, op.id)
         rescued = await store.claim_operation("ctl-rescuer", 30)
         assert rescued is not None and rescued.id == op.id

@@ -169,8 +169,9 @@ def node_teardown(data_dir: Path, *extra: str, log_tail: str = "") -> None:
 
 @dataclasses.dataclass
 class NodeAgent:
-    """A further node: a ``space node run`` process with its own data dir, pool, cache and token,
-    serving its node API on TCP and registered with a :class:`Server` (as a separate host would be).
+    """A further node: a ``space node run`` process with its own data dir, pool and cache, joined
+    to a :class:`Server` with a join token and serving its node API over mutual TLS on TCP (as a
+    separate host would).
 
     Its cache dir is its own, so a template it lacks comes from object storage, not the host cache.
     """
@@ -183,16 +184,23 @@ class NodeAgent:
     port: int = dataclasses.field(default_factory=free_port)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
-    token: str = ""
+    #: The cluster CA the node's certificate is checked with, and a control-plane client
+    #: certificate minted from it (what an API replica presents), once joined.
+    ca_dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"https://127.0.0.1:{self.port}"
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
-        """A client of this node's own API (its token, not an API key)."""
-        return httpx.Client(base_url=self.url, timeout=timeout,
-                            headers={"authorization": f"Bearer {self.token}"})
+        """A client of this node's own API, as the control plane calls it (mutual TLS)."""
+        from space.cluster.pki import ClusterCA, client_context
+
+        assert self.ca_dir is not None, "not started"
+        ca = ClusterCA.load((self.ca_dir / "cluster-ca.pem").read_bytes(),
+                            (self.ca_dir / "cluster-ca.key").read_bytes())
+        cert, key = ca.issue_client("e2e-test", days=1)
+        return httpx.Client(base_url=self.url, timeout=timeout, verify=client_context(cert, key, ca.cert_pem))
 
     def info(self) -> dict[str, Any]:
         """The node's ``GET /v1/node``."""
@@ -203,14 +211,14 @@ class NodeAgent:
             return out
 
     def start(self, server: Server) -> None:
-        """Start the agent and wait until ``server`` lists it as a ready node."""
-        import secrets
-
+        """Join ``server`` with a fresh join token and wait until it lists this node as ready."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_urlsafe(32)
-        token_file = _private_file(self.data_dir / "node.token", self.token)
-        key_file = _private_file(self.data_dir / "admin.key", server.admin_key)
+        self.ca_dir = server.data_dir
+        with server.client() as api:
+            r = api.post("/v1/nodes/tokens", json={"ttl_seconds": 600, "description": self.node_id, "max_uses": 1})
+            assert r.status_code == 201, r.text
+            token_file = _private_file(self.data_dir / "join.token", r.json()["token"])
         # The deployment's manifest key, which every node sharing the object store holds.
         manifest_key = server.data_dir / "manifest.key"
         sealing = ["--manifest-key-file", str(manifest_key)] if manifest_key.exists() else []
@@ -219,10 +227,10 @@ class NodeAgent:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "space.cli.main", "node", "run",
              "--data-dir", str(self.data_dir), "--listen", f"127.0.0.1:{self.port}",
-             "--token-file", str(token_file), "--node-id", self.node_id,
+             "--join-token-file", str(token_file), "--control-url", server.url, "--advertise-url", self.url,
+             "--egress-ca-dir", str(server.data_dir / "egress-ca"), "--node-id", self.node_id,
              "--cache-dir", str(self.cache_dir), "--pool-size-gb", "16",
-             "--object-store-url", self.object_store_url, *sealing,
-             "--register", server.url, "--api-key-file", str(key_file)],
+             "--object-store-url", self.object_store_url, *sealing],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=server_environment(self.env),
         )
         log.close()
@@ -234,7 +242,7 @@ class NodeAgent:
                 nodes = api.get("/v1/nodes").json()["nodes"]
                 return any(n["id"] == self.node_id and n["url"] == self.url and n["state"] == "ready"
                            for n in nodes)
-            wait_for(registered, 120, f"node {self.node_id} to register", interval=0.1)
+            wait_for(registered, 120, f"node {self.node_id} to join", interval=0.1)
 
     def log_tail(self, n: int = 4000) -> str:
         try:

@@ -34,19 +34,22 @@ class NodeClient:
         self.node_id = node_id
         self.url = url
         headers = {}
+        #: Why no call can reach this node (its every call is refused with it), or None.
+        self.refusal: str | None = None
+        base = url
         if url.startswith("unix://"):
             transport = httpx.AsyncHTTPTransport(uds=url[len("unix://"):])
             base = "http://node"
             headers["authorization"] = f"Bearer {token}"
-        elif url.startswith("https://"):
-            if tls is None:
-                raise Unavailable(f"node {node_id} is at {url}, and this process holds no cluster "
-                                  "client certificate to reach it with")
+        elif url.startswith("https://") and tls is not None:
             transport = httpx.AsyncHTTPTransport(verify=tls)
-            base = url
         else:
-            raise Unavailable(f"node {node_id} is at {url[:100]!r}: a node is reached over a unix socket "
-                              "or over mutual TLS (https://), nothing else")
+            transport = httpx.AsyncHTTPTransport()
+            base = "http://refused.invalid"
+            self.refusal = (f"node {node_id} is at {url}, and this process holds no cluster client certificate "
+                            "to reach it with" if url.startswith("https://") else
+                            f"node {node_id} is at {url[:100]!r}: a node is reached over a unix socket or over "
+                            "mutual TLS (https://), nothing else")
         self._http = httpx.AsyncClient(
             transport=transport,
             base_url=base,
@@ -61,6 +64,8 @@ class NodeClient:
                    params: dict[str, Any] | None = None, content: Any = None,
                    headers: dict[str, str] | None = None, timeout: float | None = None) -> Any:
         path = _checked(path)
+        if self.refusal is not None:
+            raise Unavailable(self.refusal)
         try:
             resp = await self._http.request(
                 method, path, json=json_body, params=params, content=content, headers=headers,
@@ -86,6 +91,8 @@ class NodeClient:
         and ``#`` escaped) and the node hands to the sandbox's server."""
         if tail and not tail.startswith(("/", "?")):
             raise ValueError(f"a tail starts with / or ?, got {tail[:40]!r}")
+        if self.refusal is not None:
+            raise Unavailable(self.refusal)
         req = self._http.build_request(method, _checked(path) + tail, params=params, content=content, headers=headers,
                                        timeout=httpx.Timeout(None, connect=5.0))
         try:

@@ -9,6 +9,7 @@ import httpx
 from space.sdk._models import JSON
 
 from ._http import AsyncHTTP
+from ._nodes import AsyncNodes
 from ._pools import AsyncPools
 from ._resources import AsyncApiKeys, AsyncOperations, AsyncTemplates
 from ._sandboxes import AsyncSandboxes
@@ -37,6 +38,7 @@ class AsyncClient:
         self.templates = AsyncTemplates(self._http)
         self.apikeys = AsyncApiKeys(self._http)
         self.pools = AsyncPools(self._http)
+        self.nodes = AsyncNodes(self._http)
         self.quotas = AsyncQuotas(self._http)
         self.audit = AsyncAudit(self._http)
         self.secrets = AsyncSecrets(self._http)

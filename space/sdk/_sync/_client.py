@@ -10,6 +10,7 @@ import httpx
 from space.sdk._models import JSON
 
 from ._http import SyncHTTP
+from ._nodes import Nodes
 from ._pools import Pools
 from ._resources import ApiKeys, Operations, Templates
 from ._sandboxes import Sandboxes
@@ -38,6 +39,7 @@ class Client:
         self.templates = Templates(self._http)
         self.apikeys = ApiKeys(self._http)
         self.pools = Pools(self._http)
+        self.nodes = Nodes(self._http)
         self.quotas = Quotas(self._http)
         self.audit = Audit(self._http)
         self.secrets = Secrets(self._http)

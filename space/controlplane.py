@@ -1,0 +1,204 @@
+"""``space api`` and ``space controller``: the control plane as separate, replicated processes.
+
+Any number of each run against one PostgreSQL database and one object store; none keeps state of
+its own beyond caches. They share:
+
+- the database (the one source of truth; operations are claimed in order per target, leased and
+  fenced; one controller is the leader and runs the singletons: :mod:`space.controller`);
+- wake-ups through the database (``LISTEN``/``NOTIFY``: :mod:`space.store.wakeups`);
+- the shared keys (:mod:`space.cluster.keys`), given to every replica alike;
+- the nodes, which joined with join tokens and are called over mutual TLS with a client
+  certificate each process mints from the cluster CA (:mod:`space.cluster.identity`).
+
+``space serve`` is the same parts in one process tree, with a node of its own, on SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import uvicorn
+
+from space import childenv
+from space.cluster.identity import ControlPlaneTLS
+from space.cluster.keys import SharedKeyError, SharedKeys
+from space.config import DEFAULT_QUOTA
+from space.controller import Controller, NodeRegistry
+from space.credentials import BackendConfig, Backends, CredentialManager
+from space.node.templates.store import BASE_SPEC
+from space.objstore import ObjectStore
+from space.store import Store, quotas
+from space.store.db import normalize_url
+from space.store.wakeups import LocalWakeups
+
+log = structlog.get_logger("space.controlplane")
+
+#: Templates the control plane knows how to build from a spec of its own.
+TEMPLATE_SPECS: dict[str, dict[str, Any]] = {"base": BASE_SPEC}
+
+
+class StartupError(Exception):
+    """This replica cannot start; the message says what to give it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclasses.dataclass
+class ControlPlaneSettings:
+    database_url: str
+    object_store_url: str
+    #: A directory holding the shared keys (a mounted Secret); the environment may give each instead.
+    keys_dir: Path | None = None
+    #: ``HOST:PORT`` the API listens on (``space api``).
+    listen: str = "0.0.0.0:8080"
+    max_upload_bytes: int = 1 << 30
+    sandbox_disk_mb: int = 10240
+    operator_tenant: str = "default"
+    egress_ceiling: tuple[str, ...] = ()
+    e2b_domain: str | None = None
+    default_quota: dict[str, Any] | None = None
+    bootstrap_templates: tuple[str, ...] = ("base",)
+    lease_seconds: float = 10.0
+
+
+@dataclasses.dataclass
+class ControlPlane:
+    """What one replica holds open."""
+
+    store: Store
+    wakeups: LocalWakeups
+    nodes: NodeRegistry
+    controller: Controller
+    keys: SharedKeys
+    credentials: CredentialManager
+
+
+def check_database_url(url: str) -> str:
+    if normalize_url(url).get_backend_name() != "postgresql":
+        raise StartupError("the replicated control plane shares one PostgreSQL database "
+                           "(--database-url postgresql+asyncpg://…); on one machine, SQLite is `space serve`'s")
+    return url
+
+
+@contextlib.asynccontextmanager
+async def open_control_plane(settings: ControlPlaneSettings, role: Literal["api", "controller"],
+                             env: Mapping[str, str]) -> AsyncIterator[ControlPlane]:
+    """Keys first (a replica missing one stops before it touches anything), then the database."""
+    check_database_url(settings.database_url)
+    try:
+        keys = SharedKeys.load(env, settings.keys_dir)
+    except SharedKeyError as e:
+        raise StartupError(e.message) from None
+    store = await Store.open(settings.database_url)
+    wakeups = store.wakeups()
+    nodes = NodeRegistry(store, tls=ControlPlaneTLS(keys.cluster_ca, role))
+    credentials = CredentialManager(store, Backends.from_config(BackendConfig.from_env(env), keys.keyring))
+    try:
+        await wakeups.start()
+        objects = ObjectStore.from_url(settings.object_store_url, env=env)
+        controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
+                                objects=objects, wakeups=wakeups)
+        controller.lifecycle.credentials = credentials
+        yield ControlPlane(store, wakeups, nodes, controller, keys, credentials)
+    finally:
+        await credentials.aclose()
+        await nodes.aclose()
+        await wakeups.close()
+        await store.close()
+
+
+async def seed_quotas(store: Store, settings: ControlPlaneSettings) -> None:
+    """As ``space serve`` does: the command line's defaults replace the stored ones; without it, a
+    new deployment gets :data:`DEFAULT_QUOTA`; the operator's tenant starts unlimited."""
+    if settings.default_quota is not None:
+        await store.put_quota(quotas.DEFAULTS, settings.default_quota)
+    else:
+        await store.seed_quota(quotas.DEFAULTS, DEFAULT_QUOTA)
+    await store.seed_quota(settings.operator_tenant, {})
+
+
+async def serve_api(settings: ControlPlaneSettings) -> None:
+    """One API replica: stateless, no node of its own; readiness at ``/readyz``."""
+    from space.api.app import create_app
+    from space.api.state import AppState
+    from space.api.templates import queue_build
+    from space.egress_policy import parse_ceiling
+    from space.errors import NotFound
+    from space.httpserver import BoundedHttp
+    from space.web import GracefulServer
+
+    env = childenv.snapshot()
+    childenv.confine_self("api")
+    async with open_control_plane(settings, "api", env) as cp:
+        await seed_quotas(cp.store, settings)
+        await seed_admin_key(cp.store, settings.operator_tenant, env)
+        state = AppState(store=cp.store, nodes=cp.nodes, controller=cp.controller, secret=cp.keys.signing,
+                         max_upload_bytes=settings.max_upload_bytes, credentials=cp.credentials,
+                         sandbox_disk_mb=settings.sandbox_disk_mb, operator_tenant=settings.operator_tenant,
+                         egress_ceiling=parse_ceiling(settings.egress_ceiling),
+                         e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
+                         cluster_ca=cp.keys.cluster_ca)
+        for name in settings.bootstrap_templates:
+            spec = TEMPLATE_SPECS.get(name)
+            if spec is None:
+                continue
+            try:
+                if (await cp.store.get_template(name)).status == "ready":
+                    continue
+            except NotFound:
+                pass
+            op, _ = await queue_build(state, name, spec, tenant=settings.operator_tenant)
+            log.info("template.bootstrap_build", template=name, operation=op.id)
+        host, _, port = settings.listen.rpartition(":")
+        server = GracefulServer(uvicorn.Config(
+            create_app(state), host=host or "0.0.0.0", port=int(port), log_level="warning", access_log=False,
+            lifespan="off", timeout_graceful_shutdown=5, http=BoundedHttp))
+        log.info("api.listening", url=f"http://{settings.listen}")
+        try:
+            await server.serve()
+        finally:
+            await state.audit.aclose()
+
+
+async def run_controller(settings: ControlPlaneSettings) -> None:
+    """One controller: claims operations; leads (reconcile, heartbeats, policies) when elected."""
+    env = childenv.snapshot()
+    childenv.confine_self("api")
+    async with open_control_plane(settings, "controller", env) as cp:
+        await cp.controller.sync_templates()
+        await cp.controller.run()
+
+
+#: ``$SPACE_BOOTSTRAP_ADMIN_KEY``: the operator's first admin key, given to the API replicas, which
+#: store it (hashed) if the deployment has no key at all. Once any key exists it is ignored.
+BOOTSTRAP_KEY_ENV = "SPACE_BOOTSTRAP_ADMIN_KEY"
+
+
+async def seed_admin_key(store: Store, tenant: str, env: Mapping[str, str]) -> None:
+    key = env.get(BOOTSTRAP_KEY_ENV, "").strip()
+    if not key:
+        if await store.count_api_keys() == 0:
+            log.warning("admin_key.none", hint=f"no API key exists: give the replicas ${BOOTSTRAP_KEY_ENV} "
+                                                "(sk_ and at least 32 characters) to make the first admin key")
+        return
+    if not key.startswith("sk_") or len(key) < 35:
+        raise StartupError(f"${BOOTSTRAP_KEY_ENV} must be sk_ followed by at least 32 characters")
+    if await store.seed_admin_key(tenant, key):
+        log.info("admin_key.seeded", tenant=tenant)
+
+
+def run(role: Literal["api", "controller"], settings: ControlPlaneSettings) -> None:
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_api(settings) if role == "api" else run_controller(settings))
+    except StartupError as e:
+        log.error(f"{role}.refused", error=e.message)
+        raise SystemExit(2) from None
