@@ -5,7 +5,9 @@ at that line loses nothing. Off unless ``$SPACE_FAILPOINTS`` names them::
 
 ``crash`` ends the process at once with no cleanup (like SIGKILL); ``crash-once:PATH`` does so only
 if PATH does not exist yet (and creates it), so the restarted process gets past it; ``sleep:N``
-stalls for N seconds.
+stalls for N seconds; ``sleep-once:PATH:N`` stalls for N seconds in the first process to get
+there (of all that share PATH: several controllers), so a test can kill the one that stalls and
+watch another get past.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ async def hit(name: str) -> None:
     if kind == "sleep":
         log.warning("failpoint.sleep", name=name, seconds=arg)
         await asyncio.sleep(float(arg))
+    elif kind == "sleep-once":
+        marker, _, seconds = arg.rpartition(":")
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return
+        log.warning("failpoint.sleep", name=name, seconds=seconds, pid=os.getpid())
+        await asyncio.sleep(float(seconds))
     elif kind == "crash" or (kind == "crash-once" and not os.path.exists(arg)):  # noqa: ASYNC240
         if kind == "crash-once":
             with open(arg, "w") as f:  # noqa: ASYNC230 -- the process ends on the next line

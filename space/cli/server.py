@@ -364,6 +364,10 @@ def controller(
     database_url: DatabaseUrl,
     object_store_url: ObjectStoreUrl,
     keys_dir: KeysDir = None,
+    lease_seconds: Annotated[float, typer.Option(
+        "--lease-seconds", min=1.0,
+        help="How long an operation a controller claimed stays its own without renewal: after a crash, "
+             "another controller takes it over this long after the last renewal.")] = 10.0,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one controller (run several: they share the work, one leads)."""
@@ -371,7 +375,8 @@ def controller(
 
     logs.configure(log_level)
     controlplane.run("controller", controlplane.ControlPlaneSettings(
-        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir))
+        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir,
+        lease_seconds=lease_seconds))
 
 
 keys_app = typer.Typer(help="The deployment's shared keys.", no_args_is_help=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from space import ids
+from space import failpoints, ids
 from space.controller import placement
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
@@ -315,6 +315,10 @@ class Controller:
 
     async def _create_sandbox(self, op: Operation) -> dict[str, Any]:
         sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.RUNNING and sb.node_id is not None:
+            # Only a create moves a sandbox from creating to running: an earlier attempt got that
+            # far and lost its lease before it could record it (fencing). The create is done.
+            return {"sandbox_id": sb.id, "node_id": sb.node_id, "timings": {}}
         if sb.state != State.CREATING:
             raise Conflict(f"sandbox {sb.id} is {sb.state}; it was deleted while being created",
                            state=sb.state)
@@ -338,6 +342,7 @@ class Controller:
             # object store or the host cache when it can, else by building), then create.
             await self._materialize(op, node, sb.template)
             info = await node.call("PUT", f"/v1/sandboxes/{sb.id}", json_body=body)
+        await failpoints.hit("controller.create.after_node")
         try:
             await self.store.set_sandbox_state(
                 sb.id, State.RUNNING, expect=[State.CREATING],
@@ -375,6 +380,17 @@ class Controller:
             await self.store.set_operation_progress(op.id, {"message": f"waiting for template {name}"})
             await asyncio.sleep(1.0)
 
+    async def _wait_nodes(self, op: Operation, timeout: float = 1800.0) -> list[NodeClient]:
+        """The ready nodes, waiting for the first one to join: a cluster's control plane starts
+        before its nodes, and its first build is queued when it starts."""
+        deadline = time.monotonic() + timeout
+        while not (nodes := await self.nodes.ready_nodes()):
+            if time.monotonic() > deadline:
+                raise Unavailable("no ready node to build the template on")
+            await self.store.set_operation_progress(op.id, {"message": "waiting for a node to join"})
+            await asyncio.sleep(1.0)
+        return nodes
+
     async def _delete_sandbox(self, op: Operation) -> dict[str, Any]:
         sb = await self.store.get_sandbox(op.target)
         if sb.state == State.TERMINATED:
@@ -391,9 +407,9 @@ class Controller:
         if not spec:
             raise NotFound(f"no spec for template {op.target!r}")
         force = bool(op.request.get("force", False))
-        nodes = await self.nodes.ready_nodes()
-        if not nodes:
-            raise Unavailable("no ready node to build the template on")
+        # One node builds; it publishes the template to object storage, from which every other
+        # node materializes it when a sandbox is first placed there (_materialize).
+        nodes = (await self._wait_nodes(op))[:1]
         result: dict[str, Any] = {}
         for node in nodes:
             pending: list[str] = []
@@ -435,7 +451,9 @@ class Controller:
                     # a change this node missed).
                     info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": pools},
                                                     timeout=5))["pools"]
-            except SpaceError:
+            except SpaceError as exc:
+                if row.state == "joining":  # why a node stays joining (its TLS, its address)
+                    log.warning("node.unreachable", node=row.id, state=row.state, error=exc.message[:300])
                 if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
                     log.warning("node.down", node=row.id)
                     await self.store.set_node_state(row.id, "down")

@@ -314,7 +314,7 @@ async def serve_node(settings: NodeSettings) -> None:
     templates, manager, warm = node.templates, node.manager, node.warm
     app = create_node_app(
         node_id=settings.node_id,
-        token=settings.token,
+        token=settings.token if settings.join is None else None,
         manager=manager,
         templates=templates,
         max_upload_bytes=settings.max_upload_bytes,

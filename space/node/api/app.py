@@ -1,7 +1,9 @@
-"""The node API: how the control plane drives a node (HTTP over a unix socket or TCP, bearer token).
+"""The node API: how the control plane drives a node (HTTP over a unix socket with a bearer token,
+or over TCP with mutual TLS: space.cluster.pki).
 
 It is internal: requests arrive already authorized for a tenant by the control plane, so the node
-checks only that the caller holds the node token. Shapes follow the public API (docs/api.md) so the
+checks only that the caller is the control plane (holds the node token, or a control-plane
+certificate of the cluster CA). Shapes follow the public API (docs/api.md) so the
 control plane can pass streams through untouched.
 """
 
@@ -217,7 +219,7 @@ def snapshot_view(snap: snapshots.LocalSnapshot, size: int | None = None) -> dic
 def create_node_app(
     *,
     node_id: str,
-    token: str,
+    token: str | None,
     manager: SandboxManager,
     templates: TemplateStore,
     max_upload_bytes: int,
@@ -228,6 +230,10 @@ def create_node_app(
     install_error_handlers(app)
 
     async def auth(request: Request) -> None:
+        if token is None:
+            # Served over mutual TLS: the handshake admitted only control-plane certificates of
+            # the cluster CA, and there is no token for anyone to steal.
+            return
         got = request.headers.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
             raise Unauthorized("missing or wrong node token")

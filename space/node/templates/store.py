@@ -199,6 +199,8 @@ class TemplateStore:
         self.keys = keys
         self._builder: Builder = builder or functools.partial(debootstrap_builder, pool=pool)
         self._flights: dict[str, _Flight] = {}
+        #: Templates this node made (built, or received from the host cache) and has yet to publish.
+        self._unshared: dict[str, bool] = {}
         #: Template streams this process fetched from object storage (single-flight shows here).
         self.downloads = 0
         #: The network of build steps (their only way out: the node's egress gateway); None: the
@@ -261,6 +263,8 @@ class TemplateStore:
                 lock = self.cache_dir / "locks" / f"{digest}.lock"
                 async with file_lock(lock, on_contended=contended):
                     info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force, stream)
+                if self._unshared.pop(digest, False):
+                    await self._share(spec["name"], digest, flight.emit)  # takes the file lock itself
                 flight.completed += 1
                 return info
         finally:
@@ -301,18 +305,22 @@ class TemplateStore:
                 await self.pool.delete_subvolume(final)  # a partial receive
 
         stream = self.stream_path(name, digest)
+        fetched_from_objects: Path | None = None
         if not force and (want is not None or not stream.exists()) and self.objects is not None:
             # Raises when object storage holds something unauthentic: that is never received,
             # nor papered over by a build.
-            fetched = await self._fetch(spec, digest, want, emit)
-            if fetched is not None:
-                stream = fetched
+            fetched_from_objects = await self._fetch(spec, digest, want, emit)
+            if fetched_from_objects is not None:
+                stream = fetched_from_objects
         elif want is not None and not force:
             raise SnapshotCorrupt(f"template {label} is not on this node and there is no object store to fetch "
                                   "the stream the snapshot needs from", template=name)
         if stream.exists() and not force:
             try:
-                return await self._receive(spec, digest, stream, emit)
+                received = await self._receive(spec, digest, stream, emit)
+                if fetched_from_objects is None:
+                    self._unshared[digest] = True
+                return received
             except SpaceError as exc:
                 log.warning("template.receive_failed", template=label, error=str(exc))
                 await emit(f"template {label}: cached stream unusable ({exc.message}); rebuilding")
@@ -325,7 +333,20 @@ class TemplateStore:
         if template_spec.is_saved(spec):
             raise NotFound(f"template {label} was saved from sandbox {spec['sandbox']} and cannot be rebuilt; "
                            "its stream is not in object storage (nor in this node's cache)", template=name)
-        return await self._build(spec, digest, emit)
+        built = await self._build(spec, digest, emit)
+        self._unshared[digest] = True
+        return built
+
+    async def _share(self, name: str, digest: str, emit: Progress) -> None:
+        """Publish a template this node made (built, or received from the host cache) to object
+        storage, so the other nodes of the deployment download it instead of building it again.
+        A failure is logged, not raised: this node has the template either way."""
+        if self.objects is None or self.keys is None:
+            return
+        try:
+            await self.publish(self.objects, name, digest, on_progress=emit)
+        except SpaceError as exc:
+            log.warning("template.share_failed", template=f"{name}@{digest[:16]}", error=exc.message)
 
     async def _fetch(self, spec: dict[str, Any], digest: str, want: StreamRef | None,
                      emit: Progress) -> Path | None:

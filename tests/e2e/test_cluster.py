@@ -1,0 +1,268 @@
+"""Many machines, one platform: 2 API replicas, 2 controllers and 3 node agents (each its own pool),
+over one PostgreSQL database and moto's S3 server, nodes joined with join tokens and reached over
+mutual TLS (tests/e2e/cluster.py).
+
+- every node joins and is ready; any replica lists them with their certificate identity
+- a sandbox created on replica A is driven from replica B: exec streamed over SSE, files both ways
+- a replica that goes away mid-stream costs one reconnect: the other resumes with Last-Event-ID,
+  no gap and no repeat
+- a node refuses callers without a control-plane certificate of its cluster: a stolen bearer token,
+  a certificate of another cluster CA, another node's certificate
+- the controller running an operation is SIGKILLed mid-operation: the other takes it over and it
+  finishes exactly once (one sandbox, on one node); the leader is SIGKILLed: the other leads
+- concurrent creates across both replicas: each sandbox exists exactly once, none lost
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from space.cluster.pki import ClusterCA
+from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.harness import create_sandbox, read_events, run, runtime_available, wait_operation
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.runtime, pytest.mark.postgres]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterator[Cluster]:
+    reason = runtime_available()
+    if reason:
+        pytest.skip(reason)
+    import anyio
+
+    from tests.store.conftest import reset_postgres
+
+    anyio.run(reset_postgres, postgres_url)
+    work = tmp_path_factory.mktemp("cluster")
+    with cluster(work, postgres_url) as c:
+        yield c
+
+
+def sql(c: Cluster, query: str, **params: Any) -> list[Any]:
+    """A plain query against the deployment's database (what the test reads behind the API)."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def go() -> list[Any]:
+        engine = create_async_engine(c.database_url)
+        try:
+            async with engine.connect() as conn:
+                return list((await conn.execute(text(query), params)).all())
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def _delete(api: httpx.Client, sid: str) -> None:
+    r = api.delete(f"/v1/sandboxes/{sid}")
+    if r.status_code == 202:
+        assert wait_operation(api, r.json()["operation"]["id"])["status"] == "succeeded"
+
+
+def node_sandboxes(c: Cluster) -> dict[str, list[str]]:
+    """Each node's own list of its sandboxes, asked over mutual TLS."""
+    out = {}
+    for n in c.nodes:
+        with c.node_client(n) as nc:
+            r = nc.get("/v1/sandboxes")
+            r.raise_for_status()
+            out[n.node_id] = [s["id"] for s in r.json()["sandboxes"]]
+    return out
+
+
+def test_every_node_joined_over_mutual_tls(deployment: Cluster) -> None:
+    for i in range(2):
+        with deployment.client(i) as api:
+            nodes = {n["id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+        assert set(nodes) == {"node-a", "node-b", "node-c"}
+        for n in nodes.values():
+            assert (n["state"], n["identity"]) == ("ready", "certificate"), n
+            assert n["url"].startswith("https://127.0.0.1:") and n["version"]
+            assert n["capacity"]["cpus"] and n["capacity"]["memory_mb"], n
+    with deployment.client(1) as api:
+        tokens = api.get("/v1/nodes/tokens").json()["tokens"]
+    assert sorted(t["uses"] for t in tokens) == [1, 1, 1]
+
+
+def test_a_sandbox_made_on_one_replica_is_driven_from_the_other(deployment: Cluster) -> None:
+    with deployment.client(0) as a, deployment.client(1) as b:
+        sid = create_sandbox(a)
+        try:
+            assert b.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+            code, out, _ = run(b, sid, {"shell": "echo from-$((40 + 2))"})
+            assert (code, out) == (0, b"from-42\n")
+            blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+            assert a.put(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/blob"},
+                         content=blob).status_code in (200, 201, 204)
+            got = b.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/blob"})
+            assert got.status_code == 200 and got.content == blob
+            assert b.put(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/back"},
+                         content=b"written on B").status_code in (200, 201, 204)
+            assert a.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/back"}).content == b"written on B"
+        finally:
+            _delete(a, sid)
+
+
+def test_a_stream_resumes_on_the_other_replica_without_gap_or_repeat(deployment: Cluster) -> None:
+    with deployment.client(0) as a, deployment.client(1) as b:
+        sid = create_sandbox(a)
+        try:
+            r = a.post(f"/v1/sandboxes/{sid}/commands",
+                       json={"shell": "for i in $(seq 1 60); do echo line-$i; sleep 0.05; done"})
+            assert r.status_code == 201, r.text
+            cid = r.json()["id"]
+            first = read_events(a, sid, cid, limit=10)  # replica A goes away after ten events
+            last_id = int(first[-1]["id"])
+            rest = read_events(b, sid, cid, headers={"last-event-id": str(last_id)})
+            ids = [int(e["id"]) for e in first + rest if e.get("id")]
+            assert ids == sorted(set(ids)), "an event repeated or came out of order"
+            out = b"".join(base64.b64decode(e["data"]["data"]) for e in first + rest if e["event"] == "stdout")
+            assert out.decode().split() == [f"line-{i}" for i in range(1, 61)]
+            assert rest[-1]["event"] == "exit"
+        finally:
+            _delete(a, sid)
+
+
+def test_a_node_refuses_whoever_holds_no_control_plane_certificate_of_its_cluster(deployment: Cluster) -> None:
+    node = deployment.nodes[0]
+    with deployment.node_client(node) as nc:
+        assert nc.get("/v1/node").status_code == 200  # the control plane's certificate works
+
+    def refused(client: httpx.Client) -> bool:
+        with client:
+            try:
+                client.get("/v1/node")
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                return True
+        return False
+
+    # A stolen bearer token (there is none to steal: the old node token scheme) and no certificate.
+    no_cert = httpx.Client(base_url=node.url, timeout=10, headers={"authorization": "Bearer stolen"},
+                           verify=_trusting(deployment))
+    assert refused(no_cert)
+    # A control-plane certificate of another cluster CA.
+    assert refused(deployment.node_client(node, ca=ClusterCA.create()))
+    # Another node's own certificate and key, presented as a client (a compromised node).
+    other = deployment.nodes[1]
+    tls = other.data_dir / "node" / "tls"
+    stolen = ((tls / "node.crt").read_bytes(), (tls / "node.key").read_bytes())
+    assert refused(deployment.node_client(node, cert=stolen))
+
+
+def _trusting(c: Cluster) -> Any:
+    import ssl
+
+    ctx = ssl.create_default_context(cadata=c.cluster_ca().cert_pem.decode())
+    return ctx
+
+
+def test_concurrent_creates_across_replicas_each_exist_exactly_once(deployment: Cluster) -> None:
+    n = 12
+    clients = [deployment.client(i % 2, timeout=300) for i in range(n)]
+    made: list[str] = []
+    try:
+        def create(i: int) -> str:
+            return create_sandbox(clients[i], metadata={"burst": str(i)})
+
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            made = list(pool.map(create, range(n)))
+        assert len(set(made)) == n
+        with deployment.client(1) as b:
+            listed = [s for s in b.get("/v1/sandboxes").json()["sandboxes"] if s["id"] in made]
+        assert sorted(s["id"] for s in listed) == sorted(made)
+        assert all(s["state"] == "running" for s in listed)
+        on_nodes = [sid for ids in node_sandboxes(deployment).values() for sid in ids if sid in made]
+        assert sorted(on_nodes) == sorted(made), "a sandbox is missing on its node or exists twice"
+        # (They may all be on node-a: placement prefers the node that has the template on disk.)
+    finally:
+        with deployment.client(0) as a:
+            for sid in made:
+                _delete(a, sid)
+        for c in clients:
+            c.close()
+
+
+def _owner_pid(c: Cluster, owner: str) -> int:
+    for p in c.controllers:
+        if p.alive() and re.search(rf'"owner": "{re.escape(owner)}"', p.log_path.read_text(errors="replace")):
+            return p.pid
+    raise AssertionError(f"no live controller logged owner {owner}")
+
+
+def test_a_controller_killed_mid_operation_is_replaced_and_the_operation_finishes_once(deployment: Cluster) -> None:
+    """controller.create.after_node stalls the first controller to get there (both have it, as
+    sleep-once): the node made the sandbox, the database does not say so yet. It is SIGKILLed; the
+    other takes the lease over when it lapses and finishes the create: one sandbox, on one node."""
+    c = deployment
+    c.stall_marker.unlink()  # armed: the next controller to get there stalls
+    with c.client(0) as api:
+        r = api.post("/v1/sandboxes", json={"template": "base"})
+        assert r.status_code == 202, r.text
+        op_id, sid = r.json()["operation"]["id"], r.json()["sandbox"]["id"]
+        try:
+            def stalled() -> int | None:
+                for p in c.controllers:
+                    if p.alive() and "failpoint.sleep" in p.log_path.read_text(errors="replace"):
+                        return p.pid
+                return None
+
+            wait_for(lambda: stalled() is not None, 120, "a controller to stall after the node created it")
+            victim = next(p for p in c.controllers if p.pid == stalled())
+            [(owner,)] = sql(c, "SELECT lease_owner FROM operations WHERE id = :id", id=op_id)
+            assert _owner_pid(c, owner) == victim.pid
+            victim.kill()
+            op = wait_operation(api, op_id, timeout=120)
+            assert op["status"] == "succeeded", op
+            assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+            placed = [node for node, ids in node_sandboxes(c).items() if sid in ids]
+            assert len(placed) == 1, placed
+            assert run(api, sid, {"shell": "echo alive"})[1] == b"alive\n"
+            [(attempts, finisher)] = sql(c, "SELECT attempts, lease_owner FROM operations WHERE id = :id", id=op_id)
+            assert finisher != owner and attempts >= 2
+        finally:
+            _delete(api, sid)
+            c.start_controller()  # back to two, for what follows
+
+
+def test_the_leader_is_replaced_when_it_dies(deployment: Cluster) -> None:
+    c = deployment
+
+    def live_leader() -> tuple[str, int] | None:
+        rows = sql(c, "SELECT holder, fence FROM leases WHERE name = 'leader'")
+        try:
+            return (rows[0][0], rows[0][1]) if rows and _owner_pid(c, rows[0][0]) else None
+        except AssertionError:  # still the one the test before killed, until its lease lapses
+            return None
+
+    holder, fence = wait_for(live_leader, 30, "a live controller to lead")
+    leader = next(p for p in c.controllers if p.pid == _owner_pid(c, holder))
+    t0 = time.monotonic()
+    leader.kill()
+
+    def new_leader() -> bool:
+        rows = sql(c, "SELECT holder, fence FROM leases WHERE name = 'leader'")
+        return bool(rows) and rows[0][0] != holder
+
+    wait_for(new_leader, 30, "another controller to lead")
+    took = time.monotonic() - t0
+    [(now_holder, now_fence)] = sql(c, "SELECT holder, fence FROM leases WHERE name = 'leader'")
+    assert now_fence > fence
+    _owner_pid(c, now_holder)  # a live controller
+    (c.work / "failover.json").write_text(json.dumps({"leader_failover_s": round(took, 3)}))
+    c.start_controller()
+
+
