@@ -39,7 +39,8 @@ def node_view(n: Node) -> dict[str, Any]:
         "heartbeat_at": n.heartbeat_at.isoformat() if n.heartbeat_at else None,
         "created_at": n.created_at.isoformat() if n.created_at else None,
         "identity": "certificate" if n.certificate else "token",
-        "capacity": {"cpus": cap.get("cpus"), "memory_mb": cap.get("memory_mb"), "pool": cap.get("pool")},
+        # The node's last heartbeat as it was (cpus, memory_mb, pool, templates, warm, ...).
+        "capacity": cap,
         "load": {"sandboxes": cap.get("sandboxes"), "committed_cpu": cap.get("committed_cpu"),
                  "committed_memory_mb": cap.get("committed_memory_mb"), "loadavg": cap.get("loadavg")},
     }
