@@ -280,11 +280,12 @@ class ClusterCA:
         _check_days(days)
         if isinstance(hosts, str):
             raise PKIError("hosts must be a sequence of host names, not one string")
-        sans = list(dict.fromkeys(_san(h) for h in hosts))
-        if not sans:
+        hosts_sans = list(dict.fromkeys(_san(h) for h in hosts))
+        if not hosts_sans:
             raise PKIError("a node certificate needs at least one host")
-        if len(sans) > MAX_HOSTS:
-            raise PKIError(f"{len(sans)} hosts, at most {MAX_HOSTS}")
+        sans = list(dict.fromkeys([x509.DNSName(identity_name(node_id)), *hosts_sans]))
+        if len(hosts_sans) > MAX_HOSTS:
+            raise PKIError(f"{len(hosts_sans)} hosts, at most {MAX_HOSTS}")
         if not isinstance(csr_pem, bytes):
             raise PKIError(f"CSR: expected PEM bytes, got {type(csr_pem).__name__}")
         if len(csr_pem) > MAX_CSR_BYTES:
@@ -315,6 +316,21 @@ class ClusterCA:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = self._leaf(_subject(CLIENT_PREFIX + name), key.public_key(), [], ExtendedKeyUsageOID.CLIENT_AUTH, days)
         return cert, _private_pem(key)
+
+
+#: The DNS suffix of node identity names (never resolved: only checked against certificates).
+IDENTITY_SUFFIX = ".node.space.internal"
+
+
+def identity_name(node_id: str) -> str:
+    """The name every node certificate carries for its node id, and the name the control plane
+    checks a node's certificate against (TLS SNI and host name check) whatever address it dials:
+    a node that advertised another node's address is refused in the handshake, before a request
+    meant for one node reaches the other. A hash, so any node id makes a valid DNS label."""
+    _check_name(node_id, "node id")
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(node_id.encode())
+    return "n-" + digest.finalize().hex()[:40] + IDENTITY_SUFFIX
 
 
 def make_key_and_csr(node_id: str) -> tuple[bytes, bytes]:

@@ -81,7 +81,7 @@ async def test_a_node_joins_and_gets_a_node_certificate(api: Api, store: Store) 
     assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
         ExtendedKeyUsageOID.SERVER_AUTH]
     assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-        x509.DNSName) == ["n1.cluster.test"]
+        x509.DNSName) == [pki.identity_name("n1"), "n1.cluster.test"]
     assert pki.node_id_of(body["certificate"].encode()) == "n1"
     assert body["node"]["state"] == "joining" and body["node"]["identity"] == "certificate"
     row = await store.get_node("n1")

@@ -285,8 +285,9 @@ def test_node_certificate_contents(ca: ClusterCA) -> None:
     assert cert.issuer == ca_cert.subject
     assert cert.subject.rfc4514_string() == "O=space,CN=node:n1"
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert list(san) == [x509.IPAddress(ipaddress.ip_address("10.0.0.5")), x509.DNSName("node1.cluster.internal"),
-                         x509.IPAddress(ipaddress.ip_address("::1"))]
+    # Its identity name first (what the control plane checks it against), then its hosts.
+    assert list(san) == [x509.DNSName(pki.identity_name("n1")), x509.IPAddress(ipaddress.ip_address("10.0.0.5")),
+                         x509.DNSName("node1.cluster.internal"), x509.IPAddress(ipaddress.ip_address("::1"))]
     assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
         ExtendedKeyUsageOID.SERVER_AUTH]
     bc = cert.extensions.get_extension_for_class(x509.BasicConstraints)
@@ -314,7 +315,7 @@ def test_sign_node_ignores_what_the_csr_asks_for(ca: ClusterCA) -> None:
     cert = x509.load_pem_x509_certificate(ca.sign_node(_csr(key, greedy), node_id="n1", hosts=["10.0.0.5"]))
     assert cert.subject.rfc4514_string() == "O=space,CN=node:n1"
     assert list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value) == [
-        x509.IPAddress(ipaddress.ip_address("10.0.0.5"))]
+        x509.DNSName(pki.identity_name("n1")), x509.IPAddress(ipaddress.ip_address("10.0.0.5"))]
     assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
         ExtendedKeyUsageOID.SERVER_AUTH]
     assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca

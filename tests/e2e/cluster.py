@@ -152,14 +152,19 @@ class Cluster:
     def _control_env(self) -> dict[str, str]:
         return {**S3_CREDENTIALS, "SPACE_BOOTSTRAP_ADMIN_KEY": self.admin_key}
 
-    def start_api(self) -> Proc:
-        i = len(self.apis)
-        port = free_port()
+    def start_api(self, replace: int | None = None) -> Proc:
+        """A new API replica, or (``replace``) one in the place of replica ``replace``, on its port:
+        what a load balancer's target that was restarted looks like."""
+        i = len(self.apis) if replace is None else replace
+        port = free_port() if replace is None else self.api_ports[replace]
         p = Proc(f"api-{i}", [*self._control_argv("api"), "--listen", f"127.0.0.1:{port}"],
                  self.work / f"api-{i}.log", self._control_env())
         p.start()
-        self.apis.append(p)
-        self.api_ports.append(port)
+        if replace is None:
+            self.apis.append(p)
+            self.api_ports.append(port)
+        else:
+            self.apis[replace] = p
 
         def ready() -> bool:
             p.check_alive()

@@ -4,8 +4,8 @@ mutual TLS (tests/e2e/cluster.py).
 
 - every node joins and is ready; any replica lists them with their certificate identity
 - a sandbox created on replica A is driven from replica B: exec streamed over SSE, files both ways
-- a replica that goes away mid-stream costs one reconnect: the other resumes with Last-Event-ID,
-  no gap and no repeat
+- a replica SIGKILLed mid-stream costs one reconnect: the other resumes with Last-Event-ID, no gap
+  and no repeat
 - a node refuses callers without a control-plane certificate of its cluster: a stolen bearer token,
   a certificate of another cluster CA, another node's certificate
 - the controller running an operation is SIGKILLed mid-operation: the other takes it over and it
@@ -125,7 +125,26 @@ def test_a_stream_resumes_on_the_other_replica_without_gap_or_repeat(deployment:
                        json={"shell": "for i in $(seq 1 60); do echo line-$i; sleep 0.05; done"})
             assert r.status_code == 201, r.text
             cid = r.json()["id"]
-            first = read_events(a, sid, cid, limit=10)  # replica A goes away after ten events
+            first: list[dict[str, Any]] = []
+            # Replica A is SIGKILLed ten events into the stream it serves: the client sees the
+            # connection drop, and resumes on replica B from the last event it got.
+            with pytest.raises(httpx.TransportError), \
+                    a.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events") as stream:
+                ev: dict[str, Any] = {}
+                for line in stream.iter_lines():
+                    if line.startswith(":"):
+                        continue
+                    if not line:
+                        if ev:
+                            ev["data"] = json.loads(ev.get("data", "null"))
+                            first.append(ev)
+                            if len(first) == 10:
+                                deployment.apis[0].kill()
+                        ev = {}
+                        continue
+                    key, _, value = line.partition(":")
+                    ev[key] = value[1:] if value.startswith(" ") else value
+            assert len(first) >= 10
             last_id = int(first[-1]["id"])
             rest = read_events(b, sid, cid, headers={"last-event-id": str(last_id)})
             ids = [int(e["id"]) for e in first + rest if e.get("id")]
@@ -134,7 +153,9 @@ def test_a_stream_resumes_on_the_other_replica_without_gap_or_repeat(deployment:
             assert out.decode().split() == [f"line-{i}" for i in range(1, 61)]
             assert rest[-1]["event"] == "exit"
         finally:
-            _delete(a, sid)
+            _delete(b, sid)
+            if not deployment.apis[0].alive():
+                deployment.start_api(replace=0)
 
 
 def test_a_node_refuses_whoever_holds_no_control_plane_certificate_of_its_cluster(deployment: Cluster) -> None:
@@ -266,3 +287,27 @@ def test_the_leader_is_replaced_when_it_dies(deployment: Cluster) -> None:
     c.start_controller()
 
 
+
+
+def test_a_token_holder_advertising_another_nodes_address_gets_nothing_from_it(deployment: Cluster) -> None:
+    """A join under a new id with node-b's address: the CA signs (it cannot know), but the control
+    plane checks a node's certificate against the identity of the row it dials, so the handshake
+    with node-b fails for that row: it never becomes ready, and node-b is never driven as it."""
+    from space.cluster import pki
+
+    c, victim = deployment, deployment.nodes[1]
+    token = c.join_token(max_uses=1)
+    body = {"node_id": "rogue", "advertise_url": victim.url, "csr": pki.make_key_and_csr("rogue")[1].decode()}
+    with c.client(0) as api:
+        r = httpx.post(f"{c.api_url(0)}/v1/nodes/join", json=body, headers={"authorization": f"Bearer {token}"})
+        assert r.status_code == 201, r.text
+        try:
+            def refused() -> bool:
+                return any('"node": "rogue"' in line and "node.unreachable" in line and "CERTIFICATE" in line
+                           for p in c.controllers if p.alive()
+                           for line in p.log_path.read_text(errors="replace").splitlines())
+
+            wait_for(refused, 60, "the leader's heartbeat to the rogue row to be refused in the handshake")
+            assert api.get("/v1/nodes/rogue").json()["state"] == "joining"
+        finally:
+            assert api.delete("/v1/nodes/rogue").status_code == 204

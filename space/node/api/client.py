@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from space.cluster.pki import identity_name
 from space.errors import NotFound, SpaceError, Unavailable, from_wire
 from space.errors import Timeout as SpaceTimeout
 
@@ -36,6 +37,7 @@ class NodeClient:
         headers = {}
         #: Why no call can reach this node (its every call is refused with it), or None.
         self.refusal: str | None = None
+        self._extensions: dict[str, Any] = {}
         base = url
         if url.startswith("unix://"):
             transport = httpx.AsyncHTTPTransport(uds=url[len("unix://"):])
@@ -43,6 +45,9 @@ class NodeClient:
             headers["authorization"] = f"Bearer {token}"
         elif url.startswith("https://") and tls is not None:
             transport = httpx.AsyncHTTPTransport(verify=tls)
+            # The certificate is checked for this node's identity name, not for the address: the
+            # address is what a node claimed when it joined, the name is what the CA gave it.
+            self._extensions = {"sni_hostname": identity_name(node_id)}
         else:
             transport = httpx.AsyncHTTPTransport()
             base = "http://refused.invalid"
@@ -70,6 +75,7 @@ class NodeClient:
             resp = await self._http.request(
                 method, path, json=json_body, params=params, content=content, headers=headers,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                extensions=self._extensions,
             )
         except httpx.TimeoutException as exc:
             raise SpaceTimeout(f"node {self.node_id} timed out: {exc!r}") from None
@@ -94,7 +100,7 @@ class NodeClient:
         if self.refusal is not None:
             raise Unavailable(self.refusal)
         req = self._http.build_request(method, _checked(path) + tail, params=params, content=content, headers=headers,
-                                       timeout=httpx.Timeout(None, connect=5.0))
+                                       timeout=httpx.Timeout(None, connect=5.0), extensions=self._extensions)
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as exc:
