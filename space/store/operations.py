@@ -92,6 +92,7 @@ class OperationStore(StoreBase):
                 found = await existing(s)
                 if found is not None:
                     return cast(_T, found)
+                await self._stamp_accepted(s, op)
                 return insert(s)
         except Conflict:
             if op.idempotency_key is None:
@@ -104,6 +105,13 @@ class OperationStore(StoreBase):
         if found is None:
             raise Conflict(f"operation {op.id} conflicts with an existing row")
         return cast(_T, found)
+
+    async def _stamp_accepted(self, s: AsyncSession, op: Operation) -> None:
+        """An operation's ``created_at`` is when the database accepted it: operations on one target
+        run in that order (:func:`_first_in_line`), and API replicas on several machines, whose
+        clocks disagree, must not reorder them. (SQLite: one machine's clock already.)"""
+        if self.dialect == "postgresql":
+            op.created_at = op.updated_at = await self._db_now(s)
 
     async def get_operation(self, op_id: str, tenant: str | None = None) -> Operation:
         async with self._tx(write=False) as s:

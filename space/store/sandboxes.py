@@ -230,6 +230,7 @@ class SandboxStore(OperationStore, TenantStore):
                 sb = await self._get(s, Sandbox, op.target, "sandbox", lock=True)
                 if move_to is not None:
                     _move(sb, move_to, expected, now)
+                await self._stamp_accepted(s, op)  # after the row lock: the order they got it in
                 s.add_all([*([snapshot] if snapshot is not None else []), op])
                 return sb, op, True
         except InvalidState:

@@ -242,3 +242,20 @@ async def test_concurrent_log_appenders(store: Store) -> None:
     # each append's lines stay adjacent
     for i in range(0, 20, 2):
         assert logs[i].line[:-1] == logs[i + 1].line[:-1]
+
+
+async def test_acceptance_order_is_the_databases_whatever_a_replicas_clock_says(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two API replicas, the second's clock an hour behind: what the second accepted later still
+    runs after what the first accepted (PostgreSQL stamps acceptance with its own clock)."""
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite: one machine, one clock")
+    first, _ = await store.create_operation(new_op(kind="sandbox.pause", target="sb-order"))
+    real = store_operations.utcnow
+    monkeypatch.setattr(store_operations, "utcnow", lambda: real() - dt.timedelta(hours=1))
+    second, _ = await store.create_operation(new_op(kind="sandbox.resume", target="sb-order"))
+    monkeypatch.setattr(store_operations, "utcnow", real)
+    assert second.created_at > first.created_at
+    claimed = await store.claim_operation("ctl-a", 30)
+    assert claimed is not None and claimed.id == first.id
+    assert await store.claim_operation("ctl-b", 30) is None  # the second waits for the first
