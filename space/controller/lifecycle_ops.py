@@ -17,7 +17,7 @@ import structlog
 
 from space.controller.egress import egress_config
 from space.controller.nodes import NodeRegistry
-from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, SnapshotCorrupt, SpaceError
+from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, SnapshotCorrupt, SpaceError, Unavailable
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
@@ -142,11 +142,35 @@ class LifecycleOps:
 
     async def _evict(self, node: NodeClient, sandbox_id: str) -> None:
         try:
-            await node.call("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout=LONG)
+            await self._remove_copy(node, sandbox_id)
         except SpaceError as exc:
             log.warning("sandbox.evict_failed", sandbox=sandbox_id, error=str(exc))
         finally:
             self._evictions.pop(sandbox_id, None)
+
+    async def _remove_copy(self, node: NodeClient, sandbox_id: str) -> None:
+        """Remove a node's stale copy of a sandbox and record that it is gone."""
+        with contextlib.suppress(NotFound):  # gone already
+            await node.call("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout=LONG)
+        await self.store.clear_eviction(sandbox_id, node.node_id)
+
+    async def finish_eviction(self, sb: Sandbox) -> str | None:
+        """Before a restore: the suspend's old copy is gone. It was being removed by this process
+        (waited for), or by another controller that may have crashed (the row still names its
+        node: removed here). Returns a node still holding a copy it could not reach: the restore
+        goes elsewhere (reconcile removes that copy when the node is back)."""
+        pending = self._evictions.get(sb.id)
+        if pending is not None:
+            await asyncio.shield(pending)
+        sb = await self.store.get_sandbox(sb.id)
+        if sb.evict_node is None:
+            return None
+        try:
+            await self._remove_copy(await self.nodes.client(sb.evict_node), sb.id)
+        except Unavailable as exc:
+            log.warning("sandbox.evict_deferred", sandbox=sb.id, node=sb.evict_node, error=str(exc))
+            return sb.evict_node
+        return None
 
     async def _fill_size(self, node: NodeClient, sandbox_id: str, snap_id: str) -> None:
         try:
@@ -217,8 +241,11 @@ class LifecycleOps:
                 await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
                                                  error="evicted from its node when the sandbox was suspended")
         old_node = sb.node_id
+        # The row names the node that holds the old copy until its removal is confirmed: a restore
+        # claimed by another controller (this one may crash right after) removes it first.
         sb = await self.store.set_sandbox_state(sb.id, State.SUSPENDED, expect=[State.SUSPENDING],
-                                                node_id=None, instance_id=None, snapshot_id=snap_id)
+                                                node_id=None, instance_id=None, snapshot_id=snap_id,
+                                                evict_node=old_node)
         await self.event(sb, "suspended", f"suspended to object storage as snapshot {snap_id} "
                          f"({(res.get('bytes') or 0) / 1e6:.1f} MB uploaded)", snapshot=snap_id, node=old_node,
                          reason="idle" if op.request.get("idle") else "request")
@@ -258,15 +285,16 @@ class LifecycleOps:
         if not snap.restorable or snap.object_key is None:
             raise SnapshotCorrupt(f"snapshot {snap.id} was never completely uploaded; it cannot be restored",
                                   snapshot_id=snap.id)
-        pending = self._evictions.get(sb.id)
-        if pending is not None:
-            await asyncio.shield(pending)  # the old copy must be gone before a new one arrives
+        # The old copy must be gone before a new one arrives, on its node at least.
+        stale = await self.finish_eviction(sb)
         if sb.node_id is not None:
             node = await self.nodes.client(sb.node_id)
         elif op.request.get("node"):
             node = await self.nodes.client(str(op.request["node"]))
         else:
-            node = await self.nodes.schedule()
+            node = await self.nodes.schedule(exclude=stale)
+        if stale is not None and node.node_id == stale:
+            raise Unavailable(f"node {stale} still holds sandbox {sb.id}'s old copy and cannot be reached")
         # Placement is recorded first, so that a retry goes to the same node.
         sb = await self.store.update_sandbox(sb.id, node_id=node.node_id)
         info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",

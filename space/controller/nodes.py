@@ -103,10 +103,11 @@ class NodeRegistry:
     async def ready_nodes(self) -> list[NodeClient]:
         return [await self.client(n.id) for n in await self.store.list_nodes("ready")]
 
-    async def schedule(self, req: placement.Request | None = None) -> NodeClient:
+    async def schedule(self, req: placement.Request | None = None, *, exclude: str | None = None) -> NodeClient:
         """Pick the node for a new sandbox (see :mod:`space.controller.placement`); without a
-        request (a restore, whose template is shipped along), the least loaded ready node."""
-        nodes = await self.ready_rows()
+        request (a restore, whose template is shipped along), the least loaded ready node.
+        ``exclude``: a node not to use (one holding a stale copy of the sandbox)."""
+        nodes = [n for n in await self.ready_rows() if n.id != exclude]
         if not nodes:
             raise Unavailable("no ready node to place the sandbox on")
         if len(nodes) == 1:  # nothing to weigh

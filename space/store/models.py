@@ -205,6 +205,9 @@ class Sandbox(Base):
     template_digest: Mapped[str | None] = mapped_column(String(128))
     state: Mapped[State] = mapped_column(StateType(), default=State.CREATING)
     node_id: Mapped[str | None] = mapped_column(String(128))
+    #: A node that still holds a copy of this sandbox to remove (a suspend's, until its removal is
+    #: confirmed): whichever controller restores it first makes sure the copy is gone.
+    evict_node: Mapped[str | None] = mapped_column(String(128))
     instance_id: Mapped[str | None] = mapped_column(String(64))
     cpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)

@@ -26,7 +26,7 @@ SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "disk_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
      "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
-     "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce"}
+     "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce", "evict_node"}
 )
 
 
@@ -162,6 +162,12 @@ class SandboxStore(OperationStore, TenantStore):
             sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
             _move(sb, state, expected, utcnow(), fields)
             return sb
+
+    async def clear_eviction(self, sandbox_id: str, node_id: str) -> None:
+        """The copy of ``sandbox_id`` on ``node_id`` is gone (a no-op if the row names another)."""
+        async with self._tx() as s:
+            await s.execute(update(Sandbox).where(Sandbox.id == sandbox_id, Sandbox.evict_node == node_id)
+                            .values(evict_node=None).execution_options(synchronize_session=False))
 
     async def update_sandbox(self, sandbox_id: str, **fields: Any) -> Sandbox:
         """Change non-state columns (see ``SANDBOX_FIELDS``)."""
