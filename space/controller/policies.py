@@ -65,9 +65,10 @@ class Policies:
         return enqueued
 
     async def _enqueue(self, sb: Sandbox, kind: str, request: dict[str, Any], *,
-                       state: State | None = None, snapshot: Snapshot | None = None) -> Operation:
+                       state: State | None = None, snapshot: Snapshot | None = None,
+                       key: str | None = None) -> Operation:
         op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind=kind, target=sb.id, status="pending",
-                       request={**request, "from_state": str(sb.state)})
+                       request={**request, "from_state": str(sb.state)}, idempotency_key=key)
         _, op, _ = await self.store.start_operation(op, move_to=state, expect=[sb.state], snapshot=snapshot)
         return op
 
@@ -151,7 +152,11 @@ class Policies:
             if not retention.due(policy, kind, last, now):
                 continue
             snap = new_snapshot(sb, kind, "schedule")
-            await self._enqueue(sb, "snapshot.create", {"snapshot": snap.id, "kind": kind}, snapshot=snap)
+            # Keyed by the slot it is due for: a second leader ticking at the same moment (the
+            # first still thinks it leads) finds this operation instead of taking a second one.
+            slot = (last + dt.timedelta(seconds=policy.interval(kind) or 0)).isoformat()
+            await self._enqueue(sb, "snapshot.create", {"snapshot": snap.id, "kind": kind}, snapshot=snap,
+                                key=f"schedule:{sb.id}:{kind}:{slot}")
             self._last_seen[(sb.id, kind)] = now
             n += 1
         return n
