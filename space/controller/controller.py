@@ -611,6 +611,9 @@ def _gateway_record(node_id: str, rec: dict[str, Any]) -> AuditRecord:
         dt.datetime.fromtimestamp(float(at), dt.UTC) if at is not None else None)
     details = dict(rec.get("details") or {})
     details.update(sandbox=rec.get("sandbox"), seq=rec.get("seq"), node=node_id)
+    journal = rec.get("journal")
+    # A journal from before journals had ids is the node's one journal: its seqs are unique there.
+    source = f"{node_id}:{journal if isinstance(journal, str) else '-'}:{rec.get('seq')}"[:200]
     return AuditRecord(tenant=str(rec.get("tenant") or ""), actor=f"gateway:{node_id}",
                        action=str(rec.get("action", "egress")), target=str(rec.get("target") or ""),
-                       result=str(rec.get("result", "")), details=details, at=when)
+                       result=str(rec.get("result", "")), details=details, at=when, source=source)

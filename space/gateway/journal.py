@@ -1,9 +1,12 @@
 """The gateway's audit journal: append-only, fsync'd in small batches, kept until the node acks it.
 
-Layout: ``seg-<first seq>.jsonl`` segments of one JSON record per line, and ``acked`` holding the
-highest acknowledged seq. A restart never appends to an old segment (its last line may be torn): it
-opens a new one, numbering on from the highest seq seen (or acked), so seqs only grow. ``ack``
-deletes whole segments at or below the watermark; reads skip the rest of what was acked.
+Layout: ``seg-<first seq>.jsonl`` segments of one JSON record per line, ``acked`` holding the
+highest acknowledged seq, and ``id``: the journal's identity, made once and put in every record, so
+that the control plane stores each record once however often it is shipped (a retried drain, two
+leaders at once), and a reinstalled node, whose seqs start over, is another journal. A restart
+never appends to an old segment (its last line may be torn): it opens a new one, numbering on from
+the highest seq seen (or acked), so seqs only grow. ``ack`` deletes whole segments at or below the
+watermark; reads skip the rest of what was acked.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +29,7 @@ class Journal:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.acked = self._read_acked()
+        self.id = self._identity()
         last = self.acked
         for first, path in self._segments():
             seq = _last_seq(path)
@@ -45,7 +50,7 @@ class Journal:
     def append(self, tenant: str, sandbox: str, action: str, target: str, result: str,
                details: dict[str, Any] | None = None) -> int:
         self.last += 1
-        rec = {"seq": self.last, "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+        rec = {"seq": self.last, "journal": self.id, "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
                "tenant": tenant, "sandbox": sandbox, "action": action, "target": target, "result": result,
                "details": details or {}}
         f = self._open()
@@ -153,6 +158,23 @@ class Journal:
                 path.unlink(missing_ok=True)
         _fsync_dir(self.dir)
         return self.acked
+
+    def _identity(self) -> str:
+        path = self.dir / "id"
+        try:
+            value = path.read_text().strip()
+            if value:
+                return value
+        except FileNotFoundError:
+            pass
+        value = secrets.token_hex(8)
+        tmp = path.with_name(f".id.{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(value + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return value
 
     def _read_acked(self) -> int:
         try:

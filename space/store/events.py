@@ -55,8 +55,14 @@ class EventStore(StoreBase):
             rec.at = rec.at or now
             rec.target = rec.target or ""
             rec.details = dict(rec.details or {})
+        shipped = [r for r in records if r.source is not None]
         async with self._tx() as s:
-            s.add_all(records)
+            s.add_all([r for r in records if r.source is None])
+            if shipped:
+                # Stored once however often shipped: what is there already is skipped.
+                cols = ("at", "tenant", "actor", "action", "target", "result", "status", "details", "source")
+                stmt = self._insert(AuditRecord).values([{c: getattr(r, c) for c in cols} for r in shipped])
+                await s.execute(stmt.on_conflict_do_nothing(index_elements=[AuditRecord.source]))
 
     async def list_audit(
         self,

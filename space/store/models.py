@@ -433,6 +433,9 @@ class AuditRecord(Base):
     result: Mapped[str] = mapped_column(String(64))
     status: Mapped[int | None] = mapped_column(Integer)
     details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: Where a shipped record came from, ``<node>:<journal>:<seq>`` (a gateway's): stored once
+    #: however often it is shipped. None for the API's own records.
+    source: Mapped[str | None] = mapped_column(String(200), unique=True)
 
 
 def new_snapshot(sb: Sandbox, kind: str, origin: str) -> Snapshot:

@@ -157,3 +157,14 @@ def test_ensure_ca_creates_once_in_mitmproxy_layout(tmp_path: Path) -> None:
     assert cert.not_valid_after_utc - cert.not_valid_before_utc > dt.timedelta(days=3649)
     assert ensure_ca(tmp_path / "conf") == (cert_path, key_path)
     assert key_path.read_bytes() == pem  # never replaced
+
+
+def test_a_journal_keeps_its_identity_and_a_reinstalled_one_gets_another(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j")
+    j.append("t", "s1", "egress", "example.com", "ok")
+    j.flush()
+    again = Journal(tmp_path / "j")
+    assert again.id == j.id and len(j.id) == 16
+    recs, _ = again.read(0, 10)
+    assert [r["journal"] for r in recs] == [j.id]
+    assert Journal(tmp_path / "reinstalled").id != j.id
