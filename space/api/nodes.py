@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from space.api.auth import Principal, join_token, principal
+from space.api.fields import Int64
 from space.api.state import AppState, app_state
 from space.cluster.pki import MAX_CSR_BYTES, PKIError, public_key_sha256
 from space.errors import InvalidRequest, NotFound, Unavailable
@@ -64,9 +65,10 @@ async def list_nodes(who: Auth, st: St) -> dict[str, Any]:
 
 
 class CreateToken(BaseModel):
-    ttl_seconds: int = Field(86400, ge=1, le=365 * 86400)
+    ttl_seconds: Annotated[Int64, Field(ge=1, le=365 * 86400)] = 86400
     description: str = Field("", max_length=256)
-    max_uses: int | None = Field(None, ge=1)
+    #: At most what the store's column holds (a 32-bit integer).
+    max_uses: Annotated[Int64, Field(ge=1, le=(1 << 31) - 1)] | None = None
 
 
 @router.post("/tokens", status_code=201)

@@ -10,7 +10,8 @@ mutual TLS (tests/e2e/cluster.py).
   a certificate of another cluster CA, another node's certificate
 - the controller running an operation is SIGKILLed mid-operation: the other takes it over and it
   finishes exactly once (one sandbox, on one node); the leader is SIGKILLed: the other leads
-- concurrent creates across both replicas: each sandbox exists exactly once, none lost
+- 50 concurrent creates across both replicas by a tenant allowed 40: 40 exist, each exactly once,
+  the other 10 are refused
 """
 
 from __future__ import annotations
@@ -191,28 +192,45 @@ def _trusting(c: Cluster) -> Any:
     return ctx
 
 
-def test_concurrent_creates_across_replicas_each_exist_exactly_once(deployment: Cluster) -> None:
-    n = 12
-    clients = [deployment.client(i % 2, timeout=300) for i in range(n)]
+def test_fifty_concurrent_creates_across_replicas_exist_once_and_the_quota_holds(deployment: Cluster) -> None:
+    """50 creates at once, alternating between the replicas, by a tenant allowed 40 sandboxes:
+    exactly 40 run, each once and on one node; the other 10 are refused with 429."""
+    n, limit = 50, 40
+    with deployment.client(0) as op:
+        r = op.put("/v1/tenants/burst/quota", json={"sandboxes": limit, "cpu": None, "memory_mb": None,
+                                                     "storage_mb": None, "disk_mb": None})
+        assert r.status_code == 200, r.text
+        r = op.post("/v1/apikeys", json={"tenant": "burst", "role": "admin", "name": "burst"})
+        assert r.status_code == 201, r.text
+        key = r.json()["key"]
+    clients = [httpx.Client(base_url=deployment.api_url(i % 2), timeout=600,
+                            headers={"authorization": f"Bearer {key}"}) for i in range(n)]
+
+    def create(i: int) -> tuple[int, str | None]:
+        r = clients[i].post("/v1/sandboxes", json={"template": "base", "memory_mb": 256})
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "quota_exceeded"
+            return 429, None
+        assert r.status_code == 202, r.text
+        done = wait_operation(clients[i], r.json()["operation"]["id"], timeout=600)
+        assert done["status"] == "succeeded", done
+        return 202, str(r.json()["sandbox"]["id"])
+
     made: list[str] = []
     try:
-        def create(i: int) -> str:
-            return create_sandbox(clients[i], metadata={"burst": str(i)})
-
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            made = list(pool.map(create, range(n)))
-        assert len(set(made)) == n
-        with deployment.client(1) as b:
-            listed = [s for s in b.get("/v1/sandboxes").json()["sandboxes"] if s["id"] in made]
+            results = list(pool.map(create, range(n)))
+        made = [sid for _, sid in results if sid is not None]
+        assert sorted(code for code, _ in results) == [202] * limit + [429] * (n - limit)
+        assert len(set(made)) == limit
+        listed = [s for s in clients[1].get("/v1/sandboxes").json()["sandboxes"] if s["state"] != "terminated"]
         assert sorted(s["id"] for s in listed) == sorted(made)
         assert all(s["state"] == "running" for s in listed)
         on_nodes = [sid for ids in node_sandboxes(deployment).values() for sid in ids if sid in made]
         assert sorted(on_nodes) == sorted(made), "a sandbox is missing on its node or exists twice"
-        # (They may all be on node-a: placement prefers the node that has the template on disk.)
     finally:
-        with deployment.client(0) as a:
-            for sid in made:
-                _delete(a, sid)
+        for sid in made:
+            _delete(clients[0], sid)
         for c in clients:
             c.close()
 
@@ -311,3 +329,23 @@ def test_a_token_holder_advertising_another_nodes_address_gets_nothing_from_it(d
             assert api.get("/v1/nodes/rogue").json()["state"] == "joining"
         finally:
             assert api.delete("/v1/nodes/rogue").status_code == 204
+
+
+def test_e2bs_own_sdk_works_through_either_replica(deployment: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The official SDK with its control calls on replica A and its envd traffic on replica B."""
+    import e2b
+
+    monkeypatch.setenv("E2B_API_URL", deployment.api_url(0))
+    monkeypatch.setenv("E2B_SANDBOX_URL", deployment.api_url(1))
+    monkeypatch.setenv("E2B_API_KEY", deployment.admin_key)
+    for name in ("E2B_DEBUG", "E2B_DOMAIN", "E2B_ACCESS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    s = e2b.Sandbox.create()
+    try:
+        assert s.commands.run("echo hello from $(hostname)").stdout.startswith("hello from")
+        s.files.write("/home/user/x.txt", "through B")
+        assert s.files.read("/home/user/x.txt") == "through B"
+        with deployment.client(0) as a:
+            assert a.get(f"/v1/sandboxes/{s.sandbox_id}").json()["state"] == "running"
+    finally:
+        s.kill()
