@@ -42,19 +42,27 @@ from bench.lifecycle import pct, summary  # noqa: E402
 from tests.e2e.cluster import Cluster, cluster  # noqa: E402
 from tests.e2e.harness import Server, own_server, wait_operation  # noqa: E402
 
+#: Every sandbox here is this size (serve and replica alike): 50 warm ones fit a node's pool budget.
+MEMORY_MB = 256
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def set_pool(c: httpx.Client, size: int) -> None:
-    r = c.put("/v1/pools/base", json={"size": size, "memory_mb": 512})
+def set_pool(c: httpx.Client, size: int) -> int:
+    """The pool at ``size``, or at the most the node's warm-pool memory budget allows; its size."""
+    r = c.put("/v1/pools/base", json={"size": size, "memory_mb": MEMORY_MB})
+    if r.status_code == 400 and "max_size" in r.json()["error"]:
+        size = int(r.json()["error"]["max_size"])
+        r = c.put("/v1/pools/base", json={"size": size, "memory_mb": MEMORY_MB})
     r.raise_for_status()
+    return size
 
 
 def ready(c: httpx.Client) -> int:
     pools = c.get("/v1/pools").json()["pools"]
-    return sum(int(p["ready"]) for p in pools if p["template"] == "base" and p["memory_mb"] == 512)
+    return sum(int(p["ready"]) for p in pools if p["template"] == "base" and p["memory_mb"] == MEMORY_MB)
 
 
 def wait_ready(c: httpx.Client, n: int, timeout: float = 600.0) -> None:
@@ -67,7 +75,7 @@ def wait_ready(c: httpx.Client, n: int, timeout: float = 600.0) -> None:
 
 def create(c: httpx.Client) -> tuple[float, str, bool]:
     t0 = time.perf_counter()
-    r = c.post("/v1/sandboxes", json={"template": "base"})
+    r = c.post("/v1/sandboxes", json={"template": "base", "memory_mb": MEMORY_MB})
     if r.status_code not in (201, 202):
         raise RuntimeError(f"create: {r.status_code} {r.text}")
     if r.status_code == 202:
