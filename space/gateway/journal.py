@@ -162,8 +162,9 @@ class Journal:
     def _identity(self) -> str:
         path = self.dir / "id"
         try:
-            value = path.read_text().strip()
-            if value:
+            with open(path, "rb") as f:  # the gateway's own directory; bounded all the same
+                value = f.read(64).decode(errors="replace").strip()
+            if value and value.isalnum():
                 return value
         except FileNotFoundError:
             pass
