@@ -136,10 +136,3 @@ class MembershipStore(StoreBase):
                                    token=row.id, reason="used_up")
         return row
 
-
-def get_token_id(text: str) -> str | None:
-    """The public id of a join token's text, or None (for logs: never log the secret half)."""
-    try:
-        return parse_token(text)[0]
-    except JoinTokenRefused:
-        return None

@@ -152,8 +152,6 @@ class PostgresWakeups(LocalWakeups):
             self._deliver(channel, payload)
 
 
-Wakeups = LocalWakeups
-
 
 def for_engine(engine: AsyncEngine) -> LocalWakeups:
     """PostgreSQL's cross-process wake-ups for a PostgreSQL store; in-process ones otherwise."""
