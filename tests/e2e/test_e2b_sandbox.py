@@ -107,8 +107,11 @@ def test_set_timeout_and_the_timeout_kills(made: e2b_env.Sandboxes) -> None:
 def test_pause_connect_keeps_files_and_processes(made: e2b_env.Sandboxes) -> None:
     s = _create(made)
     s.files.write("/home/user/kept.txt", "still here")
-    counter = s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
-                             background=True, timeout=0)
+    loop = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done"
+    counter = s.commands.run(loop, background=True, timeout=0)
+    # The loop's first write must happen before the pause (a background command is started, not yet run);
+    # it renames each value into place, so a pause between truncate and write never leaves the file empty.
+    wait_for(lambda: s.files.exists("/tmp/count"), timeout=30, what="the counter's first write")
     assert s.pause() is True
     assert s.pause() is False  # already paused
     assert s.is_running() is False
