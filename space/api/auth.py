@@ -9,6 +9,7 @@ import hmac
 import time
 
 from fastapi import Request
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.api.limits import has_body
@@ -116,7 +117,7 @@ async def join_token(request: Request) -> str:
     return token
 
 
-async def principal(request: Request) -> Principal:
+async def principal(request: HTTPConnection) -> Principal:
     who = request.scope.get(_AUTHENTICATED)
     if isinstance(who, Principal):
         return who
@@ -128,7 +129,7 @@ async def principal(request: Request) -> Principal:
     return await principal_of_key(request, key)
 
 
-async def principal_of_key(request: Request, key: str) -> Principal:
+async def principal_of_key(request: HTTPConnection, key: str) -> Principal:
     """The principal of an API key however the request carried it (E2B's facade: ``X-API-KEY``)."""
     state = request.app.state.space
     who: Principal | None = state.keys.get(key)

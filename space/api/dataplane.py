@@ -18,6 +18,7 @@ from space.api.state import AppState
 from space.errors import InvalidState, RuntimeFailure, SpaceError, Timeout, Unavailable, from_wire
 from space.lifecycle import WAKE, Action, State, allowed_actions, require
 from space.node.api.client import NodeClient
+from space.node.network.port_websocket import ClientSocket
 from space.store import Operation, Sandbox
 
 log = structlog.get_logger("space.api.dataplane")
@@ -40,6 +41,12 @@ class SandboxNode:
     async def open_stream(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             return await self._node.open_stream(method, path, **kw)
+        except RuntimeFailure as exc:
+            raise await self._translate(exc) from None
+
+    async def open_websocket(self, path: str, **kw: Any) -> ClientSocket:
+        try:
+            return await self._node.open_websocket(path, **kw)
         except RuntimeFailure as exc:
             raise await self._translate(exc) from None
 

@@ -1,14 +1,17 @@
 """/v1/sandboxes/{id}/ports/{port}/{path}: a request to a server listening in the sandbox (on
-``0.0.0.0:PORT``), passed through its node (:mod:`space.node.network.port_proxy`) with both bodies streamed.
+``0.0.0.0:PORT``), passed through its node (:mod:`space.node.network.port_proxy`) with both bodies
+streamed; a WebSocket handshake on the same routes is relayed message by message
+(:mod:`space.node.network.port_websocket`), through the node to the server.
 
-:func:`proxy_to_port` is also what the E2B facade calls for its ``E2b-Sandbox-Port`` requests.
+:func:`proxy_to_port` and :func:`proxy_websocket` are also what the E2B facade calls for its
+``E2b-Sandbox-Port`` traffic.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response, WebSocket
 
 from space.api.auth import Principal, principal
 from space.api.dataplane import SandboxNode, running_sandbox
@@ -23,6 +26,7 @@ from space.node.network.port_proxy import (
     has_body,
     subpath,
 )
+from space.node.network.port_websocket import Refused, answer_headers, forwarded_headers, relay
 from space.store import Sandbox
 
 router = APIRouter()
@@ -69,6 +73,34 @@ async def proxy_to_port(st: AppState, sb: Sandbox, node: SandboxNode, port: int,
                          resp.aclose, sandbox=sb.id, port=port)
 
 
+async def proxy_websocket(sb: Sandbox, node: SandboxNode, port: int, path: str, websocket: WebSocket,
+                          drop: tuple[str, ...] = ()) -> None:
+    """Relay the WebSocket ``websocket`` asks for (not yet accepted) to ``path`` on ``port`` of the
+    running sandbox ``sb``: accepted with the server's subprotocol once the server took it, then
+    message by message until either side closes. A server that refuses (an HTTP answer) has that
+    answer passed back; the node's own refusal is its error, like any request's."""
+    query = websocket.scope.get("query_string", b"").decode("latin-1")
+    route = f"/v1/sandboxes/{sb.id}/ports/{port}"
+    target = _node_target(sb.id, port, path, query)
+    try:
+        far = await node.open_websocket(route, tail=target[len(route):],
+                                        headers=forwarded_headers(websocket.headers.raw, drop=drop),
+                                        subprotocols=websocket.scope.get("subprotocols") or ())
+    except Refused as refused:
+        answer = refused.response
+        denial = Response(bytes(answer.body), status_code=answer.status_code)
+        length = [h for h in denial.raw_headers if h[0] == b"content-length"]
+        denial.raw_headers = [*answer_headers(answer.headers, drop=(UPSTREAM_STATUS,)), *length]
+        await websocket.send_denial_response(denial)
+        return
+    try:
+        await websocket.accept(subprotocol=far.subprotocol, headers=answer_headers(far.response.headers))
+    except BaseException:
+        far.abort()
+        raise
+    await relay(websocket, far, sandbox=sb.id, port=port)
+
+
 async def _proxy(sandbox_id: str, port: Port, request: Request, who: Auth, st: St) -> Response:
     if request.method not in SAFE_METHODS:
         who.require_write()
@@ -76,6 +108,13 @@ async def _proxy(sandbox_id: str, port: Port, request: Request, who: Auth, st: S
     return await proxy_to_port(st, sb, node, port, subpath(request.scope), request)
 
 
+async def _proxy_websocket(sandbox_id: str, port: Port, websocket: WebSocket, who: Auth, st: St) -> None:
+    who.require_write()  # a WebSocket carries data both ways
+    sb, node = await running_sandbox(st, sandbox_id, who.tenant)
+    await proxy_websocket(sb, node, port, subpath(websocket.scope), websocket)
+
+
 for _route in ("/v1/sandboxes/{sandbox_id}/ports/{port}", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"):
     # Out of the OpenAPI document: one route for every method would repeat its operation id.
     router.add_api_route(_route, _proxy, methods=METHODS, include_in_schema=False)
+    router.add_api_websocket_route(_route, _proxy_websocket)

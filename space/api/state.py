@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from space.api.auditing import AuditWriter
 from space.api.auth import KeyCache
@@ -46,6 +46,6 @@ class AppState:
         self.audit = AuditWriter(self.store)
 
 
-def app_state(request: Request) -> AppState:
+def app_state(request: HTTPConnection) -> AppState:
     st: AppState = request.app.state.space
     return st

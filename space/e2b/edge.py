@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any, Final
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -95,6 +95,12 @@ class E2BDispatch:
         self.app, self.control, self.envd, self.ports, self.domain = app, control, envd, ports, domain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # A WebSocket to a sandbox's port (envd serves none: its port falls through to a 404).
+            route = route_of(scope, self.domain)
+            if route is not None and route.port != ENVD_PORT:
+                await self.ports({**scope, "e2b": route}, receive, send)
+                return
         if scope["type"] == "http":
             route = route_of(scope, self.domain)
             if route is not None:
@@ -122,13 +128,13 @@ class Target:
     user: str | None
 
 
-def route(request: Request) -> Route:
+def route(request: HTTPConnection) -> Route:
     r = request.scope.get("e2b")
     assert isinstance(r, Route), "an envd route without E2BDispatch"
     return r
 
 
-def access_token_ok(st: AppState, request: Request, sb: Sandbox) -> bool:
+def access_token_ok(st: AppState, request: HTTPConnection, sb: Sandbox) -> bool:
     """Whether the request carries the sandbox's envd token (``X-Access-Token``)."""
     token = request.headers.get("x-access-token")
     return token is not None and tokens.check_envd(st.secret, sb, token)
@@ -146,7 +152,7 @@ async def sandbox_row(st: AppState, sandbox_id: str) -> Sandbox:
     return sb
 
 
-async def authenticate(st: AppState, request: Request) -> Sandbox:
+async def authenticate(st: AppState, request: HTTPConnection) -> Sandbox:
     """The sandbox of an envd request whose ``X-Access-Token`` is its envd token (else 401):
     before anything else happens for the request, not even reading its body. Once per request."""
     done = getattr(request.state, "e2b_sandbox", None)
@@ -159,7 +165,7 @@ async def authenticate(st: AppState, request: Request) -> Sandbox:
     return sb
 
 
-async def target(st: AppState, request: Request, authenticated: Sandbox | None = None) -> Target:
+async def target(st: AppState, request: HTTPConnection, authenticated: Sandbox | None = None) -> Target:
     """The running sandbox an envd request is for: what its credentials allow, done. ``authenticated``
     is the row the caller already checked a credential of (a signed URL, a port's token); without
     one, the request's envd token is checked first. Only then may a paused sandbox be woken (when it
@@ -187,7 +193,7 @@ def timed_out(sb: Sandbox) -> bool:
     return sb.expires_at is not None and sb.expires_at <= dt.datetime.now(dt.UTC) and sb.state == State.RUNNING
 
 
-def basic_user(request: Request) -> str | None:
+def basic_user(request: HTTPConnection) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "basic" or not value.strip():

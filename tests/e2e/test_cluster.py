@@ -4,6 +4,7 @@ mutual TLS (tests/e2e/cluster.py).
 
 - every node joins and is ready; any replica lists them with their certificate identity
 - a sandbox created on replica A is driven from replica B: exec streamed over SSE, files both ways
+- a server in it is reached through either replica, over HTTP and over a WebSocket
 - a replica SIGKILLed mid-stream costs one reconnect: the other resumes with Last-Event-ID, no gap
   and no repeat
 - a node refuses callers without a control-plane certificate of its cluster: a stolen bearer token,
@@ -114,6 +115,43 @@ def test_a_sandbox_made_on_one_replica_is_driven_from_the_other(deployment: Clus
             assert b.put(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/back"},
                          content=b"written on B").status_code in (200, 201, 204)
             assert a.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/back"}).content == b"written on B"
+        finally:
+            _delete(a, sid)
+
+
+def test_a_port_over_http_and_websocket_through_either_replica(deployment: Cluster) -> None:
+    from websockets.sync.client import connect
+
+    from tests.e2e.test_port_websockets import PORT
+    from tests.e2e.test_port_websockets import SERVER as WS_SERVER
+
+    with deployment.client(0) as a, deployment.client(1) as b:
+        sid = create_sandbox(a)
+        try:
+            a.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/ws.py"}, content=WS_SERVER.encode())
+            a.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/www/hi.txt"}, content=b"over mTLS\n")
+            for cmd in (["python3", "/tmp/ws.py"],
+                        ["python3", "-m", "http.server", "8000", "--bind", "0.0.0.0", "--directory", "/tmp/www"]):
+                assert a.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": cmd}).status_code == 201
+            got = wait_for(lambda: (r := b.get(f"/v1/sandboxes/{sid}/ports/8000/hi.txt")).status_code == 200 and r,
+                           60, "http.server in the sandbox, through replica B")
+            assert got.content == b"over mTLS\n"
+            for i in range(2):
+                url = deployment.api_url(i).replace("http://", "ws://") + f"/v1/sandboxes/{sid}/ports/{PORT}/ws"
+
+                def greets(url: str = url) -> dict[str, Any] | None:
+                    try:
+                        with connect(url, additional_headers={"authorization": f"Bearer {deployment.admin_key}"},
+                                     proxy=None, open_timeout=30) as ws:
+                            first = json.loads(ws.recv(timeout=30))
+                            ws.send(b"\x00" * 100_000)
+                            assert ws.recv(timeout=30) == b"\x00" * 100_000
+                            return first  # type: ignore[no-any-return]
+                    except OSError:
+                        return None
+
+                seen = wait_for(greets, 60, f"a WebSocket through replica {i}")
+                assert seen["target"] == "/ws" and seen["headers"]["host"] == [f"localhost:{PORT}"]
         finally:
             _delete(a, sid)
 

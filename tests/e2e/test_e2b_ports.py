@@ -3,6 +3,10 @@ URL (what SDKs ≥ 2.7 and e2b-code-interpreter use) and ``<port>-<id>.<domain>`
 
 from __future__ import annotations
 
+import json
+import socket
+from typing import Any
+
 import httpx
 import pytest
 
@@ -82,3 +86,45 @@ def test_private_ports_need_the_traffic_token(made: e2b_env.Sandboxes, server: S
     wait_for(up, timeout=30, what="the server in the sandbox")
     assert httpx.get(f"{server.url}/", headers=h).status_code == 401
     assert httpx.get(f"{server.url}/", headers={**h, "e2b-traffic-access-token": "wrong"}).status_code == 401
+
+
+def test_websockets_through_port_routing(made: e2b_env.Sandboxes, server: Server) -> None:
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from tests.e2e.test_port_websockets import PORT
+    from tests.e2e.test_port_websockets import SERVER as WS_SERVER
+
+    sbx = e2b.Sandbox.create(network={"allow_public_traffic": False})
+    made.add(sbx.sandbox_id)
+    sbx.files.write("/home/user/ws.py", WS_SERVER)
+    sbx.commands.run("python3 /home/user/ws.py", background=True, timeout=0)
+    routing = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": str(PORT)}
+    token = {"e2b-traffic-access-token": sbx.traffic_access_token or ""}
+    url = f"ws://127.0.0.1:{server.port}/chat?room=1"
+
+    def greeting(headers: dict[str, str], host: str | None = None) -> dict[str, Any] | None:
+        # ``host``: the URL's host name, as behind wildcard DNS (connected to the server all the same).
+        at = url if host is None else url.replace("127.0.0.1", host)
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        try:
+            with connect(at, sock=sock, additional_headers=headers, proxy=None, open_timeout=30) as ws:
+                first = json.loads(ws.recv(timeout=30))
+                ws.send("echo me")
+                assert ws.recv(timeout=30) == "echo me"
+                return first  # type: ignore[no-any-return]
+        except (InvalidStatus, OSError):
+            return None
+        finally:
+            sock.close()
+
+    seen = wait_for(lambda: greeting({**routing, **token}), timeout=30, what="the WebSocket server in the sandbox")
+    assert seen["target"] == "/chat?room=1"
+    # The facade's routing headers and tokens are its own: the server never sees them.
+    assert not {"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"} & seen["headers"].keys()
+    with pytest.raises(InvalidStatus) as refused:
+        connect(url, additional_headers=routing, proxy=None, open_timeout=30)
+    assert refused.value.response.status_code == 401
+    # The host form, as behind wildcard DNS.
+    by_host = greeting(token, host=f"{PORT}-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}")
+    assert by_host is not None and by_host["target"] == "/chat?room=1"

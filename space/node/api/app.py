@@ -21,7 +21,7 @@ import structlog
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from space import ids, paths
 from space.errors import (
@@ -38,6 +38,7 @@ from space.node.api.watch_routes import watch_router
 from space.node.capacity import node_capacity
 from space.node.network.egress import Egress
 from space.node.network.port_proxy import ports_router
+from space.node.network.port_websocket import port_websocket_router
 from space.node.sandboxes import stats
 from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
@@ -229,7 +230,7 @@ def create_node_app(
     app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    async def auth(request: Request) -> None:
+    async def auth(request: HTTPConnection) -> None:  # a request or a WebSocket handshake
         if token is None:
             # Served over mutual TLS: the handshake admitted only control-plane certificates of
             # the cluster CA, and there is no token for anyone to steal.
@@ -697,6 +698,7 @@ def create_node_app(
     app.include_router(r)
     app.include_router(watch_router(manager), prefix="/v1", dependencies=[Depends(auth)])
     app.include_router(ports_router(manager), prefix="/v1", dependencies=[Depends(auth)])
+    app.include_router(port_websocket_router(manager), prefix="/v1", dependencies=[Depends(auth)])
     return app
 
 

@@ -4,10 +4,11 @@ and knows the caller by the control plane's client certificate; there is no toke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import httpx
@@ -15,6 +16,13 @@ import httpx
 from space.cluster.pki import identity_name
 from space.errors import NotFound, SpaceError, Unavailable, from_wire
 from space.errors import Timeout as SpaceTimeout
+from space.node.network.port_proxy import UPSTREAM_STATUS
+from space.node.network.port_websocket import ClientSocket, HandshakeFailed, Refused
+
+#: Seconds to reach a node for a WebSocket (the TCP and TLS handshakes), then for its answer (the node
+#: may first connect into the sandbox: up to its own 10 s).
+WS_CONNECT_TIMEOUT = 5.0
+WS_HANDSHAKE_TIMEOUT = 30.0
 
 #: A node API path: segments of the characters SPACE's names and ids are made of, none a dot segment.
 #: Callers put ids from requests into paths (``/v1/sandboxes/{id}/commands/{cid}``); one that is no
@@ -38,6 +46,7 @@ class NodeClient:
         #: Why no call can reach this node (its every call is refused with it), or None.
         self.refusal: str | None = None
         self._extensions: dict[str, Any] = {}
+        self._token, self._tls = token, tls
         base = url
         if url.startswith("unix://"):
             transport = httpx.AsyncHTTPTransport(uds=url[len("unix://"):])
@@ -110,6 +119,43 @@ class NodeClient:
             await resp.aclose()
             raise _error(resp.status_code, body)
         return resp
+
+    async def open_websocket(self, path: str, *, tail: str = "", headers: Iterable[tuple[str, str]] = (),
+                             subprotocols: Iterable[str] = ()) -> ClientSocket:
+        """A WebSocket to ``path`` + ``tail`` (as :meth:`open_stream`) on the node. The node's own
+        refusal raises its error; a sandbox server's refusal raises :class:`Refused` with its answer
+        (marked with :data:`UPSTREAM_STATUS`), for the caller to pass on."""
+        if tail and not tail.startswith(("/", "?")):
+            raise ValueError(f"a tail starts with / or ?, got {tail[:40]!r}")
+        if self.refusal is not None:
+            raise Unavailable(self.refusal)
+        target = _checked(path) + tail
+        extra = list(headers)
+        try:
+            async with asyncio.timeout(WS_CONNECT_TIMEOUT):
+                if self.url.startswith("unix://"):
+                    reader, writer = await asyncio.open_unix_connection(self.url[len("unix://"):])
+                    extra.append(("authorization", f"Bearer {self._token}"))
+                else:
+                    where = httpx.URL(self.url)
+                    reader, writer = await asyncio.open_connection(
+                        where.host, where.port or 443, ssl=self._tls, server_hostname=identity_name(self.node_id))
+        except (OSError, TimeoutError) as exc:
+            raise Unavailable(f"node {self.node_id} unreachable: {exc!r}") from None
+        try:
+            return await ClientSocket.open(reader, writer, host="node", target=target, headers=extra,
+                                           subprotocols=subprotocols, timeout=WS_HANDSHAKE_TIMEOUT)
+        except Refused as refused:
+            writer.close()
+            if UPSTREAM_STATUS in refused.response.headers:
+                raise
+            raise _error(refused.response.status_code, bytes(refused.response.body)) from None
+        except HandshakeFailed as exc:
+            writer.close()
+            raise Unavailable(f"node {self.node_id}: {exc}") from None
+        except BaseException:
+            writer.close()
+            raise
 
     async def ensure_template(self, spec: dict[str, Any], *, force: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Yield the node's NDJSON progress objects ({"log"} lines, then {"template"} or {"error"})."""

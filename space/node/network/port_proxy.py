@@ -259,7 +259,7 @@ async def reset(sandbox_id: str) -> int:
 # -- the route -----------------------------------------------------------------------------------
 
 
-async def _open(manager: SandboxManager, sandbox_id: str, ip: str, port: int) -> Upstream:
+async def open_upstream(manager: SandboxManager, sandbox_id: str, ip: str, port: int) -> Upstream:
     # Registered under the manager's lock: a snapshot holds it from before its reset until after
     # its checkpoint, so a connection is either reset by it or opened after it.
     async with manager._lock(sandbox_id):
@@ -293,7 +293,7 @@ def ports_router(manager: SandboxManager) -> APIRouter:
             headers.append((b"transfer-encoding", b"chunked"))
         # The server sees itself addressed as localhost (what dev servers' host checks accept).
         headers.insert(0, (b"host", f"localhost:{port}".encode()))
-        up = await _open(manager, sandbox_id, net.sandbox_ip, port)
+        up = await open_upstream(manager, sandbox_id, net.sandbox_ip, port)
         conn = httpcore.AsyncHTTP11Connection(httpcore.Origin(b"http", net.sandbox_ip.encode(), port), up)
         body = request.stream() if has_body(request.headers.raw) else None
         try:
