@@ -133,16 +133,32 @@ def burst(clients: list[httpx.Client], k: int) -> dict[str, Any]:
 
 
 def exec_round_trips(node: httpx.Client, sid: str, n: int) -> list[float]:
+    """``true`` started and its events read to their end (the exit event, then the stream's end), on
+    one kept-alive connection, as the control plane's node client does. (Leaving a stream before its
+    end closes the connection: the next call would pay a new handshake, which is measured apart.)"""
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
         r = node.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": ["true"], "user": "root"})
         r.raise_for_status()
         with node.stream("GET", f"/v1/sandboxes/{sid}/commands/{r.json()['id']}/events") as s:
+            exited = False
             for line in s.iter_lines():
-                if line.startswith("event: exit"):
-                    break
+                exited = exited or line.startswith("event: exit")
+            assert exited
         out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def new_connection_calls(make: Any, sid: str, n: int) -> list[float]:
+    """A cheap node call on a connection of its own each time: the connection's setup (TCP + the
+    mutual-TLS handshake, or a unix socket's connect) and one request."""
+    out = []
+    for _ in range(n):
+        with make() as node:
+            t0 = time.perf_counter()
+            node.get(f"/v1/sandboxes/{sid}").raise_for_status()
+            out.append((time.perf_counter() - t0) * 1000)
     return out
 
 
@@ -240,15 +256,21 @@ def main() -> int:
                 _, sid_c, _ = create(a)
                 _, sid_s, _ = create(s)
                 with cl.node_client(cl.nodes[0]) as tls_node, serve_node_client(srv) as sock_node:
-                    tls, sock = [], []
+                    tls, sock, via_replica, tls_new, sock_new = [], [], [], [], []
                     for _ in range(max(1, args.execs // 10)):  # alternating blocks of ten
                         tls += exec_round_trips(tls_node, sid_c, 10)
                         sock += exec_round_trips(sock_node, sid_s, 10)
+                        via_replica += exec_round_trips(b, sid_c, 10)
+                        tls_new += new_connection_calls(lambda: cl.node_client(cl.nodes[0]), sid_c, 10)
+                        sock_new += new_connection_calls(lambda: serve_node_client(srv), sid_s, 10)
                 delete(a, [sid_c])
                 delete(s, [sid_s])
-                t, u = summary(tls), summary(sock)
+                t, u, v = summary(tls), summary(sock), summary(via_replica)
+                tn, un = summary(tls_new), summary(sock_new)
                 res["exec_node_api"] = {"mtls_tcp_ms": t, "unix_socket_ms": u,
-                                        "mtls_extra_p50_ms": t["p50"] - u["p50"]}
+                                        "mtls_extra_p50_ms": t["p50"] - u["p50"],
+                                        "via_replica_ms": v, "replica_extra_p50_ms": v["p50"] - t["p50"],
+                                        "new_connection_mtls_ms": tn, "new_connection_unix_ms": un}
 
                 log("leader failover ...")
                 res["leader_failover_s"] = [round(leader_failover(cl), 3) for _ in range(args.failovers)]
@@ -279,6 +301,13 @@ def render(res: dict[str, Any]) -> str:
     rows.append(f"| exec `true` on the node API over mutual TLS (ms) | {e['mtls_tcp_ms']['p50']:.2f} | "
                 f"{e['mtls_tcp_ms']['p90']:.2f} | {e['mtls_tcp_ms']['p99']:.2f} | unix socket "
                 f"{e['unix_socket_ms']['p50']:.2f} | {e['mtls_extra_p50_ms']:+.2f} ms p50 (≤ 1) |")
+    if "via_replica_ms" in e:
+        v, tn, un = e["via_replica_ms"], e["new_connection_mtls_ms"], e["new_connection_unix_ms"]
+        rows.append(f"| exec `true` through a replica to that node (ms) | {v['p50']:.2f} | {v['p90']:.2f} | "
+                    f"{v['p99']:.2f} | on the node directly {e['mtls_tcp_ms']['p50']:.2f} | "
+                    f"{e['replica_extra_p50_ms']:+.2f} ms p50 |")
+        rows.append(f"| a node call on a new connection, mutual TLS (ms) | {tn['p50']:.2f} | {tn['p90']:.2f} | "
+                    f"{tn['p99']:.2f} | unix socket {un['p50']:.2f} | {tn['p50'] - un['p50']:+.2f} ms p50 |")
     f = res["leader_failover_s"]
     rows.append(f"| leader failover after SIGKILL (s) | {statistics.median(f):.2f} | max {max(f):.2f} | | "
                 f"{len(f)} runs | ≤ 5 (OpenComputer < 15) |")
