@@ -20,6 +20,9 @@ class State(enum.StrEnum):
     SUSPENDING = "suspending"
     SUSPENDED = "suspended"
     RESTORING = "restoring"
+    #: Being moved to another node (a drain): checkpointed here, restored there, then running
+    #: (or paused) again as it was, processes and all.
+    MOVING = "moving"
     TERMINATING = "terminating"
     TERMINATED = "terminated"
     FAILED = "failed"
@@ -45,14 +48,17 @@ A = Action
 #: Allowed state changes: from -> {to}. ``failed`` may only be deleted.
 TRANSITIONS: dict[State, frozenset[State]] = {
     S.CREATING: frozenset({S.RUNNING, S.FAILED, S.TERMINATING}),
-    S.RUNNING: frozenset({S.PAUSED, S.SUSPENDING, S.TERMINATING, S.FAILED, S.RESTORING}),
-    S.PAUSED: frozenset({S.RUNNING, S.SUSPENDING, S.RESTORING, S.TERMINATING, S.FAILED}),
+    S.RUNNING: frozenset({S.PAUSED, S.SUSPENDING, S.TERMINATING, S.FAILED, S.RESTORING, S.MOVING}),
+    S.PAUSED: frozenset({S.RUNNING, S.SUSPENDING, S.RESTORING, S.TERMINATING, S.FAILED, S.MOVING}),
     # A suspend that cannot finish puts the sandbox back as it was (running or paused).
     S.SUSPENDING: frozenset({S.SUSPENDED, S.RUNNING, S.PAUSED, S.FAILED, S.TERMINATING}),
     S.SUSPENDED: frozenset({S.RESTORING, S.TERMINATING}),
     # restoring covers every "new instance from a snapshot": restore, rollback, crash recovery.
     # A restore that fails leaves a suspended sandbox suspended (nothing half-restored).
     S.RESTORING: frozenset({S.RUNNING, S.SUSPENDED, S.FAILED, S.TERMINATING}),
+    # A move ends in the state it started from (running or paused), on the new node or, when it
+    # cannot finish, on the old one: nothing is lost either way.
+    S.MOVING: frozenset({S.RUNNING, S.PAUSED, S.FAILED, S.TERMINATING}),
     S.TERMINATING: frozenset({S.TERMINATED, S.FAILED}),
     S.TERMINATED: frozenset(),
     S.FAILED: frozenset({S.TERMINATING}),
@@ -66,13 +72,14 @@ ACTIONS: dict[State, frozenset[Action]] = {
     S.SUSPENDING: frozenset({A.DELETE}),
     S.SUSPENDED: frozenset({A.RESTORE, A.FORK, A.DELETE}),
     S.RESTORING: frozenset({A.DELETE}),
+    S.MOVING: frozenset({A.DELETE}),
     S.TERMINATING: frozenset(),
     S.TERMINATED: frozenset(),
     S.FAILED: frozenset({A.DELETE}),
 }
 
 #: States in which the sandbox has (or is getting) a runtime instance on a node.
-LIVE: frozenset[State] = frozenset({S.CREATING, S.RUNNING, S.PAUSED, S.SUSPENDING, S.RESTORING})
+LIVE: frozenset[State] = frozenset({S.CREATING, S.RUNNING, S.PAUSED, S.SUSPENDING, S.RESTORING, S.MOVING})
 #: States that never change again.
 FINAL: frozenset[State] = frozenset({S.TERMINATED})
 

@@ -62,9 +62,10 @@ class SandboxNode:
 
 
 #: How long a call waits for a paused sandbox to resume / a suspended one to be restored.
-WAKE_TIMEOUT = {State.PAUSED: 60.0, State.SUSPENDED: 600.0, State.RESTORING: 600.0}
-#: Kinds of operation that end a ``restoring`` state.
-_RESTORING_OPS = ["sandbox.restore", "sandbox.rollback", "sandbox.recover"]
+WAKE_TIMEOUT = {State.PAUSED: 60.0, State.SUSPENDED: 600.0, State.RESTORING: 600.0, State.MOVING: 600.0}
+#: Kinds of operation that end an in-between state a call waits out (not asking for anything).
+_SETTLING_OPS = {State.RESTORING: ("sandbox.restore", "sandbox.rollback", "sandbox.recover"),
+                 State.MOVING: ("sandbox.move",)}
 #: A sandbox's last-activity time is written at most this often per sandbox (it is a hint).
 TOUCH_EVERY = 5.0
 _touched: dict[str, float] = {}
@@ -78,8 +79,11 @@ async def running_sandbox(st: AppState, sandbox_id: str, tenant: str,
 
     ``read_only``: the caller's key may only read. Waking a sandbox and counting as its activity
     (which holds off its idle pause) change it, so such a call does neither: a paused sandbox
-    answers 409 as without ``auto_resume``."""
+    answers 409 as without ``auto_resume``. A sandbox being moved to another node is waited for
+    (by readers too: waiting changes nothing), and the call goes to its new node."""
     sb = await st.store.get_sandbox(sandbox_id, tenant=tenant)
+    if sb.state == State.MOVING:
+        sb = await _wake(st, sb)
     if not read_only and ((sb.state in WAKE and sb.auto_resume) or sb.state == State.RESTORING):
         sb = await _wake(st, sb)
     require(sb.state, Action.EXEC)
@@ -95,9 +99,11 @@ async def _wake(st: AppState, sb: Sandbox) -> Sandbox:
 
     state = State(sb.state)
     deadline = time.monotonic() + WAKE_TIMEOUT[state]
-    if state == State.RESTORING:
+    if state in _SETTLING_OPS:
+        # Restored or moved by an operation under way: the call goes on once it has (a move: on
+        # the new node).
         ops = await st.store.find_operations(target=sb.id, status=["pending", "running"])
-        ops = [o for o in ops if o.kind in _RESTORING_OPS]
+        ops = [o for o in ops if o.kind in _SETTLING_OPS[state]]
         if not ops:
             return sb
         op = ops[0]

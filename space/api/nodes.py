@@ -16,14 +16,18 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from space import ids
+from space.api import views
 from space.api.auth import Principal, join_token, principal
 from space.api.fields import Int64
 from space.api.state import AppState, app_state
 from space.cluster.pki import MAX_CSR_BYTES, PKIError, public_key_sha256
-from space.errors import InvalidRequest, NotFound, Unavailable
-from space.store.models import JoinToken, Node
+from space.controller.moves import DRAIN_PARALLEL, MAX_DRAIN_PARALLEL, drain_target
+from space.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from space.store.models import JoinToken, Node, Operation
 
 router = APIRouter(prefix="/v1/nodes")
 
@@ -37,6 +41,8 @@ def node_view(n: Node) -> dict[str, Any]:
     cap = n.capacity or {}
     return {
         "id": n.id, "url": n.url, "state": n.state, "version": n.version,
+        # Taken out of placement by an operator (cordon, drain): what runs there runs on.
+        "cordoned": bool(n.cordoned), "schedulable": n.state == "ready" and not n.cordoned,
         "heartbeat_at": n.heartbeat_at.isoformat() if n.heartbeat_at else None,
         "created_at": n.created_at.isoformat() if n.created_at else None,
         "identity": "certificate" if n.certificate else "token",
@@ -164,3 +170,53 @@ async def remove_node(node_id: str, who: Auth, st: St) -> None:
         raise NotFound(f"node {node_id} not found") from None
     await st.nodes.forget(node_id)
     st.nodes.invalidate_rows()
+
+
+# -- cordon, drain, uncordon ----------------------------------------------------------------------
+
+
+@router.post("/{node_id}/cordon")
+async def cordon(node_id: str, who: Auth, st: St) -> dict[str, Any]:
+    """Place nothing new on the node (its warm pool is let go); what runs there runs on."""
+    who.require_operator()
+    row = await st.store.set_node_cordoned(node_id, True)
+    st.nodes.invalidate_rows()
+    return node_view(row)
+
+
+@router.post("/{node_id}/uncordon")
+async def uncordon(node_id: str, who: Auth, st: St) -> dict[str, Any]:
+    """Put the node back into placement (a drain under way stops, what it moved stays moved)."""
+    who.require_operator()
+    row = await st.store.set_node_cordoned(node_id, False)
+    st.nodes.invalidate_rows()
+    return node_view(row)
+
+
+class DrainBody(BaseModel):
+    #: Sandboxes moved at once.
+    parallel: Annotated[Int64, Field(ge=1, le=MAX_DRAIN_PARALLEL)] = DRAIN_PARALLEL
+
+
+@router.post("/{node_id}/drain", status_code=202)
+async def drain(node_id: str, who: Auth, st: St, body: DrainBody | None = None) -> JSONResponse:
+    """Cordon the node and move every sandbox off it (running ones with their processes, paused ones
+    stay paused; suspended ones need nothing): operation ``node.drain``, its progress the count. A
+    drain already under way is answered, not doubled."""
+    who.require_operator()
+    body = body or DrainBody()
+    row = await st.store.get_node(node_id)
+    target = drain_target(node_id)
+    running = await st.store.find_operations(target=target, kind="node.drain", status=["pending", "running"])
+    if running:
+        return JSONResponse({"node": node_view(row), "operation": views.operation(running[0])}, status_code=202)
+    if not [n for n in await st.store.list_nodes("ready") if n.id != node_id and not n.cordoned]:
+        raise Conflict(f"node {node_id} cannot be drained: no other ready, uncordoned node to move its "
+                       "sandboxes to", node=node_id)
+    row = await st.store.set_node_cordoned(node_id, True)
+    st.nodes.invalidate_rows()
+    op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="node.drain", target=target, status="pending",
+                   request={"node": node_id, "parallel": body.parallel})
+    op, _ = await st.store.create_operation(op)
+    st.controller.wake()
+    return JSONResponse({"node": node_view(row), "operation": views.operation(op)}, status_code=202)

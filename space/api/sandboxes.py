@@ -211,7 +211,7 @@ async def _create_warm(st: AppState, sb: Sandbox, op: Operation) -> tuple[Sandbo
              "disk_mb": sb.disk_mb,
              # Secrets are resolved for the id the sandbox gets, once it has it (below).
              "egress": await egress_config(st.store, st.credentials, sb, with_secrets=False)}
-    for node_row in placement.warm_candidates(placement.fresh(await st.nodes.ready_rows()), req):
+    for node_row in placement.warm_candidates(placement.fresh(await st.nodes.placeable_rows()), req):
         node = await st.nodes.client(node_row.id)
         t0 = time.perf_counter()
         try:

@@ -12,7 +12,8 @@ import typer
 from space.cli import output
 from space.cli.context import client
 
-app = typer.Typer(help="Nodes: list, inspect, remove, admit (join tokens); run a node agent.", no_args_is_help=True)
+app = typer.Typer(help="Nodes: list, inspect, cordon, drain, remove, admit (join tokens); run a node agent.",
+                  no_args_is_help=True)
 tokens = typer.Typer(help="Join tokens: what a node joins the cluster with (never an API key).",
                      no_args_is_help=True)
 app.add_typer(tokens, name="token")
@@ -40,7 +41,8 @@ def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
         return
     output.table(
         ["id", "state", "url", "cpus", "memory", "sandboxes", "version", "heartbeat"],
-        [(n["id"], n["state"], n["url"], (n.get("capacity") or {}).get("cpus"),
+        [(n["id"], n["state"] + (",cordoned" if n.get("cordoned") else ""), n["url"],
+          (n.get("capacity") or {}).get("cpus"),
           (n.get("capacity") or {}).get("memory_mb"), (n.get("load") or {}).get("sandboxes"), n.get("version"),
           n.get("heartbeat_at")) for n in nodes],
     )
@@ -59,6 +61,53 @@ def remove(ctx: typer.Context, node_id: str) -> None:
     with client(ctx) as c:
         c.nodes.remove(node_id)
     output.info(f"node {node_id} removed")
+
+
+@app.command("cordon")
+def cordon(ctx: typer.Context, node_id: str) -> None:
+    """Place nothing new on the node (its warm pool is let go); what runs there runs on."""
+    with client(ctx) as c:
+        c.nodes.cordon(node_id)
+    output.info(f"node {node_id} cordoned")
+
+
+@app.command("uncordon")
+def uncordon(ctx: typer.Context, node_id: str) -> None:
+    """Put the node back into placement (a drain under way stops; what it moved stays moved)."""
+    with client(ctx) as c:
+        c.nodes.uncordon(node_id)
+    output.info(f"node {node_id} uncordoned")
+
+
+@app.command("drain")
+def drain(
+    ctx: typer.Context,
+    node_id: str,
+    parallel: Annotated[int, typer.Option(min=1, max=16, help="Sandboxes moved at once.")] = 2,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the operation id and return.")] = False,
+) -> None:
+    """Cordon the node and move every sandbox off it: running ones with their processes (a pause of
+    about one checkpoint and its transfer), paused ones stay paused, suspended ones need nothing.
+    Progress on stderr; a drain interrupted here goes on (the control plane runs it)."""
+    with client(ctx) as c:
+        op = c.nodes.drain(node_id, parallel=parallel)
+        if no_wait:
+            output.line(op.id)
+            return
+        output.info(f"draining node {node_id} (operation {op.id})")
+        shown = None
+        while not op.done:
+            message = (op.progress or {}).get("message")
+            if message and message != shown:
+                output.info(f"{node_id}: {message}")
+                shown = message
+            op = c.operations.get(op.id, wait=1.0)
+    failure = op.exception()
+    if failure is not None:
+        raise failure
+    result = op.result or {}
+    output.info(f"node {node_id} drained: {len(result.get('moved') or [])} sandboxes moved in "
+                f"{result.get('elapsed_s', 0)} s; it stays cordoned (space node uncordon {node_id})")
 
 
 @tokens.command("create")

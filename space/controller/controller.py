@@ -22,6 +22,7 @@ from space import failpoints, ids
 from space.controller import placement
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
+from space.controller.moves import Moves
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
@@ -101,15 +102,17 @@ class Controller:
         self.wakeups = wakeups if wakeups is not None else LocalWakeups()
         self.wakeups.listen(OPERATION_QUEUED, lambda _payload: self._wake.set())
         self.wakeups.listen(OPERATION_FINISHED, self._finished_somewhere)
+        self.moves = Moves(store, nodes, self.lifecycle, self.wake)
         self._handlers: dict[str, Handler] = {
             "sandbox.create": self._create_sandbox,
             "sandbox.delete": self._delete_sandbox,
             "template.build": self._build_template,
             **self.lifecycle.handlers(),
+            **self.moves.handlers(),
             **TemplateOps(self).handlers(),
         }
         self._failure_handlers: dict[str, Callable[[Operation, SpaceError], Awaitable[None]]] = \
-            self.lifecycle.failure_handlers() | TemplateOps(self).failure_handlers()
+            self.lifecycle.failure_handlers() | self.moves.failure_handlers() | TemplateOps(self).failure_handlers()
 
     def wake(self) -> None:
         """Tell the controllers, this one and the others, that a new operation is waiting (saves
@@ -384,7 +387,7 @@ class Controller:
         """The ready nodes, waiting for the first one to join: a cluster's control plane starts
         before its nodes, and its first build is queued when it starts."""
         deadline = time.monotonic() + timeout
-        while not (nodes := await self.nodes.ready_nodes()):
+        while not (nodes := await self.nodes.ready_nodes(placeable=True)):
             if time.monotonic() > deadline:
                 raise Unavailable("no ready node to build the template on")
             await self.store.set_operation_progress(op.id, {"message": "waiting for a node to join"})
@@ -443,13 +446,14 @@ class Controller:
         now = time.time()
         pools = await self.warm_targets()
         for row in await self.store.list_nodes(None):
+            wanted = [] if row.cordoned else pools  # a cordoned node lets its warm sandboxes go
             try:
                 node = await self.nodes.client(row.id)
                 info = await node.call("GET", "/v1/node", timeout=5)
-                if _pool_sizes(info.get("warm") or []) != _pool_sizes(pools):
+                if _pool_sizes(info.get("warm") or []) != _pool_sizes(wanted):
                     # The node's warm pools converge on the database's (a new node, a restart,
                     # a change this node missed).
-                    info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": pools},
+                    info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": wanted},
                                                     timeout=5))["pools"]
             except SpaceError as exc:
                 if row.state == "joining":  # why a node stays joining (its TLS, its address)
@@ -495,7 +499,7 @@ class Controller:
     async def push_warm_pools(self) -> None:
         """Send the warm pool sizes to every ready node now (after a change through the API)."""
         pools = await self.warm_targets()
-        for node in await self.nodes.ready_nodes():
+        for node in await self.nodes.ready_nodes(placeable=True):
             try:
                 status = (await node.call("PUT", "/v1/pool", json_body={"targets": pools}, timeout=5))["pools"]
                 row = await self.store.get_node(node.node_id)

@@ -221,25 +221,7 @@ class LifecycleOps:
         await self.store.update_snapshot(snap_id, status="ready", restorable=True, object_key=prefix,
                                          node_id=None, size_bytes=res.get("bytes"),
                                          meta={"uploaded_bytes": res.get("bytes"), "artifacts": res.get("artifacts")})
-        # The user's own snapshots travel with the sandbox; the schedule's stay behind (the
-        # suspend snapshot is newer than all of them).
-        for other in await self.store.list_snapshots(sandbox_id=sb.id, node_id=sb.node_id,
-                                                     statuses=["creating", "ready"]):
-            if other.id == snap_id:
-                continue
-            if other.object_key is not None:
-                # Already in object storage (retained, or an earlier suspend's): only the node's
-                # copy goes, with the eviction below.
-                await self.store.update_snapshot(other.id, node_id=None)
-                continue
-            if other.origin == "manual" and other.status == "ready":
-                key = object_prefix(sb, other.id)
-                await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{other.id}/upload",
-                                json_body={"prefix": key, "tenant": other.tenant}, timeout=LONG)
-                await self.store.update_snapshot(other.id, object_key=key, node_id=None)
-            else:
-                await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
-                                                 error="evicted from its node when the sandbox was suspended")
+        await self.carry_snapshots(sb, node, keep=snap_id, why="suspended")
         old_node = sb.node_id
         # The row names the node that holds the old copy until its removal is confirmed: a restore
         # claimed by another controller (this one may crash right after) removes it first.
@@ -253,6 +235,28 @@ class LifecycleOps:
         # over a second); if it fails, reconcile removes the copy: nobody wants it any more.
         self._evictions[sb.id] = asyncio.create_task(self._evict(node, sb.id))
         return {"sandbox_id": sb.id, "snapshot": snap_id, "uploaded_bytes": res.get("bytes")}
+
+    async def carry_snapshots(self, sb: Sandbox, node: NodeClient, *, keep: str, why: str) -> None:
+        """Before the sandbox's copy on ``node`` goes (a suspend, a move): the user's own snapshots
+        there travel with the sandbox (uploaded); the schedule's stay behind (``keep``, the
+        snapshot just taken, is newer than all of them). Idempotent."""
+        for other in await self.store.list_snapshots(sandbox_id=sb.id, node_id=node.node_id,
+                                                     statuses=["creating", "ready"]):
+            if other.id == keep:
+                continue
+            if other.object_key is not None:
+                # Already in object storage (retained, or an earlier suspend's): only the node's
+                # copy goes, with the eviction.
+                await self.store.update_snapshot(other.id, node_id=None)
+                continue
+            if other.origin == "manual" and other.status == "ready":
+                key = object_prefix(sb, other.id)
+                await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{other.id}/upload",
+                                json_body={"prefix": key, "tenant": other.tenant}, timeout=LONG)
+                await self.store.update_snapshot(other.id, object_key=key, node_id=None)
+            else:
+                await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
+                                                 error=f"evicted from its node when the sandbox was {why}")
 
     async def suspend_failed(self, op: Operation, exc: SpaceError) -> None:
         """Put the sandbox back as it was: a failed suspend loses nothing."""
@@ -448,7 +452,11 @@ class LifecycleOps:
             return fid if f.state == State.RUNNING else None
         node: NodeClient | None = None
         info: dict[str, Any] | None = None
-        if snap.node_id is not None:
+        if snap.node_id is not None and snap.object_key is not None and f.node_id is None \
+                and await self._cordoned(snap.node_id):
+            # Its node takes nothing new: the uploaded copy serves, on a node that does.
+            log.info("fork.node_cordoned", fork=fid, snapshot=snap.id, node=snap.node_id)
+        elif snap.node_id is not None:
             try:
                 node = await self.nodes.client(snap.node_id)
                 await self.store.update_sandbox(fid, node_id=node.node_id)
@@ -483,6 +491,12 @@ class LifecycleOps:
         await self.event(f, "forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
                          parent=src.id, snapshot=snap.id)
         return fid
+
+    async def _cordoned(self, node_id: str) -> bool:
+        try:
+            return (await self.store.get_node(node_id)).cordoned
+        except NotFound:
+            return False
 
     async def fork_failed(self, op: Operation, exc: SpaceError) -> None:
         snap_id = op.request.get("snapshot")

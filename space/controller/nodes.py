@@ -17,7 +17,7 @@ from space.store import Node, Store
 log = structlog.get_logger("space.controller.nodes")
 
 #: States in which a sandbox holds (or is about to hold) resources on its node.
-LIVE_STATES = ["creating", "running", "paused", "restoring", "suspending"]
+LIVE_STATES = ["creating", "running", "paused", "restoring", "suspending", "moving"]
 
 
 @dataclasses.dataclass
@@ -45,16 +45,18 @@ class NodeRegistry:
         self._rows: tuple[float, list[Node]] | None = None
         self._rows_lock = asyncio.Lock()
 
-    async def ready_rows(self) -> list[Node]:
-        """The ready nodes' rows, at most ``rows_ttl`` seconds old: the create hot path reads
-        them on every call, and placement tolerates heartbeats that are seconds old anyway."""
+    async def placeable_rows(self) -> list[Node]:
+        """The rows of the nodes new sandboxes may go to (ready, not cordoned), at most
+        ``rows_ttl`` seconds old: the create hot path reads them on every call, and placement
+        tolerates heartbeats that are seconds old anyway."""
         if self._fresh():
             assert self._rows is not None
             return self._rows[1]
         async with self._rows_lock:  # a burst after a quiet spell reads them once, not once per call
             if not self._fresh():
                 # (No nodes is never cached: the first node to register is used at once.)
-                self._rows = (time.monotonic(), await self.store.list_nodes("ready"))
+                self._rows = (time.monotonic(),
+                              [n for n in await self.store.list_nodes("ready") if not n.cordoned])
             assert self._rows is not None
             return self._rows[1]
 
@@ -100,16 +102,19 @@ class NodeRegistry:
         if cached is not None:
             self._retire(cached.client)
 
-    async def ready_nodes(self) -> list[NodeClient]:
-        return [await self.client(n.id) for n in await self.store.list_nodes("ready")]
+    async def ready_nodes(self, *, placeable: bool = False) -> list[NodeClient]:
+        """Clients of the ready nodes (``placeable``: only those not cordoned)."""
+        return [await self.client(n.id) for n in await self.store.list_nodes("ready")
+                if not (placeable and n.cordoned)]
 
     async def schedule(self, req: placement.Request | None = None, *, exclude: str | None = None) -> NodeClient:
         """Pick the node for a new sandbox (see :mod:`space.controller.placement`); without a
         request (a restore, whose template is shipped along), the least loaded ready node.
         ``exclude``: a node not to use (one holding a stale copy of the sandbox)."""
-        nodes = [n for n in await self.ready_rows() if n.id != exclude]
+        nodes = [n for n in await self.placeable_rows() if n.id != exclude]
         if not nodes:
-            raise Unavailable("no ready node to place the sandbox on")
+            raise Unavailable("no ready node to place the sandbox on"
+                              + (f" (other than {exclude})" if exclude else "") + "; cordoned nodes take none")
         if len(nodes) == 1:  # nothing to weigh
             return await self.client(nodes[0].id)
         req = req or placement.Request(template="", cpu=1.0, memory_mb=512)

@@ -50,7 +50,10 @@ MAX_TIMEOUT: Final = 30 * 86400
 WAIT: Final = 300.0
 #: E2B "paused": every state a paused E2B sandbox can be in here.
 PAUSED_STATES: Final = (State.PAUSED, State.SUSPENDING, State.SUSPENDED, State.RESTORING)
-LIVE_STATES: Final = (State.CREATING, State.RUNNING, *PAUSED_STATES)
+#: A sandbox being moved to another node (a drain) is running for E2B: calls wait out the move.
+LIVE_STATES: Final = (State.CREATING, State.RUNNING, State.MOVING, *PAUSED_STATES)
+#: States a connect waits out before it looks again.
+SETTLING_STATES: Final = (State.SUSPENDING, State.RESTORING, State.MOVING)
 #: How far outside a metrics query's range a sample taken now may fall and still be returned.
 METRICS_SLACK: Final = 5.0
 #: A sandbox without a deadline reports one this far in the future (``endAt`` is required).
@@ -345,7 +348,7 @@ async def _connect(st: AppState, who: Principal, sandbox_id: str, timeout: int |
             if sb.expires_at is not None and new_end > sb.expires_at:
                 sb = await st.store.update_sandbox(sb.id, expires_at=new_end)
         return json_body(sandbox_view(st, sb), 200)
-    if sb.state in (State.SUSPENDING, State.RESTORING):
+    if sb.state in SETTLING_STATES:
         await _wait_settled(st, sb.id)
         sb = await st.store.get_sandbox(sb.id)
         if sb.state == State.RUNNING:
@@ -360,7 +363,7 @@ async def _wait_settled(st: AppState, sandbox_id: str) -> None:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         sb = await st.store.get_sandbox(sandbox_id)
-        if sb.state not in (State.SUSPENDING, State.RESTORING):
+        if sb.state not in SETTLING_STATES:
             return
         await asyncio.sleep(0.1)
     raise E2BError(504, f"sandbox {sandbox_id} is still {sb.state}")

@@ -173,7 +173,8 @@ async def target(st: AppState, request: HTTPConnection, authenticated: Sandbox |
     auto-resumes) is E2B's 502 "not found"."""
     sb = authenticated if authenticated is not None else await authenticate(st, request)
     state = State(sb.state)
-    if state != State.RUNNING and not (state in WAKE and sb.auto_resume) and state != State.RESTORING:
+    if state != State.RUNNING and not (state in WAKE and sb.auto_resume) \
+            and state not in (State.RESTORING, State.MOVING):
         raise EdgeError(sb.id)
     if timed_out(sb):
         # Its timeout ran out and the controller's next tick will act on it: for E2B it ended at

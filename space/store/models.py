@@ -48,7 +48,7 @@ TEMPLATE_STATUSES = ("building", "ready", "failed")
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed")
 OPERATION_FINAL = ("succeeded", "failed")
 SNAPSHOT_KINDS = ("disk", "full")
-SNAPSHOT_ORIGINS = ("manual", "schedule", "suspend", "fork", "recovery")
+SNAPSHOT_ORIGINS = ("manual", "schedule", "suspend", "fork", "recovery", "move")
 SNAPSHOT_STATUSES = ("creating", "ready", "failed", "deleted")
 
 
@@ -133,6 +133,10 @@ class Node(Base):
     key_sha256: Mapped[str | None] = mapped_column(String(64))
     #: The node agent's version, as it reported it.
     version: Mapped[str | None] = mapped_column(String(64))
+    #: An operator took the node out of placement (``space node cordon``, or a drain): nothing new
+    #: is placed on it and its warm pool is let go; what runs there runs on. Independent of
+    #: ``state`` (its health): a cordoned node that stops answering is still marked down.
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class JoinToken(Base):

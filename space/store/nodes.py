@@ -49,6 +49,13 @@ class NodeStore(StoreBase):
             node.state = state
             return node
 
+    async def set_node_cordoned(self, node_id: str, cordoned: bool) -> Node:
+        """Take the node out of placement (``True``) or put it back; its health is not touched."""
+        async with self._tx() as s:
+            node = await self._get(s, Node, node_id, "node", lock=True)
+            node.cordoned = cordoned
+            return node
+
     async def mark_stale_nodes_down(self, stale_after: float) -> list[str]:
         """Mark ready nodes whose last heartbeat is older than ``stale_after`` seconds down."""
         cutoff = utcnow() - dt.timedelta(seconds=stale_after)

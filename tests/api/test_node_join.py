@@ -29,8 +29,9 @@ pytestmark = pytest.mark.anyio
 
 
 class Api:
-    def __init__(self, http: httpx.AsyncClient, operator: str, tenant_admin: str, ca: ClusterCA) -> None:
-        self.http, self.ca = http, ca
+    def __init__(self, http: httpx.AsyncClient, operator: str, tenant_admin: str, ca: ClusterCA,
+                 state: AppState) -> None:
+        self.http, self.ca, self.state = http, ca, state
         self.operator = {"authorization": f"Bearer {operator}"}
         self.tenant_admin = {"authorization": f"Bearer {tenant_admin}"}
 
@@ -59,7 +60,7 @@ async def api(store: Store) -> AsyncIterator[Api]:
     transport = httpx.ASGITransport(app=create_app(state))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
-            yield Api(c, operator, tenant_admin, ca)
+            yield Api(c, operator, tenant_admin, ca, state)
     finally:
         await state.audit.aclose()
         await nodes.aclose()

@@ -120,10 +120,15 @@ class Cluster:
     #: While it exists, the controllers' failpoint controller.create.after_node is disarmed;
     #: removed, the first controller to get there stalls (SPACE_FAILPOINTS sleep-once).
     stall_marker: Path = dataclasses.field(init=False)
+    #: The same for controller.move.after_switch (a move switched to its new node, the old copy
+    #: still there).
+    move_stall_marker: Path = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.stall_marker = self.work / "stall-once"
         self.stall_marker.touch()
+        self.move_stall_marker = self.work / "move-stall-once"
+        self.move_stall_marker.touch()
 
     def api_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.api_ports[i]}"
@@ -179,7 +184,8 @@ class Cluster:
     def start_controller(self) -> Proc:
         i = len(self.controllers)
         env = {**self._control_env(),
-               "SPACE_FAILPOINTS": f"controller.create.after_node=sleep-once:{self.stall_marker}:600"}
+               "SPACE_FAILPOINTS": f"controller.create.after_node=sleep-once:{self.stall_marker}:600,"
+                                   f"controller.move.after_switch=sleep-once:{self.move_stall_marker}:600"}
         # Short operation leases: a killed controller's work is taken over 3 s after its last renewal.
         p = Proc(f"controller-{i}", [*self._control_argv("controller"), "--lease-seconds", "3"],
                  self.work / f"controller-{i}.log", env)

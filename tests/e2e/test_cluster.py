@@ -13,6 +13,9 @@ mutual TLS (tests/e2e/cluster.py).
   finishes exactly once (one sandbox, on one node); the leader is SIGKILLed: the other leads
 - 50 concurrent creates across both replicas by a tenant allowed 40: 40 exist, each exactly once,
   the other 10 are refused
+- a node holding ten sandboxes (counting in memory, one paused, one followed by the SDK) is drained
+  while the controller carrying a move is SIGKILLed: all ten run elsewhere exactly once, counting on,
+  the paused one paused, the stream without a gap; with nowhere to go a drain is refused
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import pytest
 from sqlalchemy import text
 
 from space.cluster.pki import ClusterCA
-from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.cluster import Cluster, Proc, cluster
 from tests.e2e.harness import create_sandbox, read_events, run, runtime_available, wait_operation
 from tests.waiting import wait_for
 
@@ -387,3 +390,143 @@ def test_e2bs_own_sdk_works_through_either_replica(deployment: Cluster, monkeypa
             assert a.get(f"/v1/sandboxes/{s.sandbox_id}").json()["state"] == "running"
     finally:
         s.kill()
+
+
+#: A process whose state lives only in its memory: it prints 1, 2, 3... twice a second. A move that
+#: kept it prints on from where it was; one that restarted it would start over (or lose it).
+LOUD_COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.5; done"
+
+
+def _numbers(c: httpx.Client, sid: str, cid: str, at_least: int, timeout: float = 60) -> list[int]:
+    """What the counter printed from its start, read until it printed ``at_least``."""
+    deadline = time.monotonic() + timeout
+    out = b""
+    with c.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
+                  timeout=httpx.Timeout(timeout, read=10)) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"data"' in line:
+                out += base64.b64decode(json.loads(line[5:])["data"])
+                got = [int(x) for x in out.split()]
+                if got and got[-1] >= at_least:
+                    return got
+            assert time.monotonic() < deadline, f"{sid}'s counter did not reach {at_least}: {out[-200:]!r}"
+    raise AssertionError(f"{sid}'s counter stream ended at {out[-200:]!r}")
+
+
+def _controller_stalled_at(c: Cluster, failpoint: str) -> Proc | None:
+    for p in c.controllers:
+        if p.alive() and any('"failpoint.sleep"' in line and failpoint in line
+                             for line in p.log_path.read_text(errors="replace").splitlines()):
+            return p
+    return None
+
+
+def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controller_crash(
+        deployment: Cluster) -> None:
+    """Ten sandboxes on node-a (made while the other two are cordoned), nine counting in memory, one
+    paused, one followed by the SDK over replica B. node-a is drained; the controller carrying the
+    first move is SIGKILLed right after that move switched nodes (controller.move.after_switch). All
+    ten end up elsewhere, exactly once, none on node-a; the counters count on from where they were,
+    the paused one is still paused, the SDK's stream went on without a gap."""
+    from space.sdk import Client
+
+    c = deployment
+    sids: list[str] = []
+    cids: dict[str, str] = {}
+    with c.client(0) as a, c.client(1) as b:
+        try:
+            for other in ("node-b", "node-c"):
+                r = b.post(f"/v1/nodes/{other}/cordon")
+                assert r.status_code == 200 and r.json()["cordoned"] and not r.json()["schedulable"], r.text
+            try:
+                for _ in range(10):
+                    sids.append(create_sandbox(a, memory_mb=256))
+            finally:
+                for other in ("node-b", "node-c"):
+                    assert not b.post(f"/v1/nodes/{other}/uncordon").json()["cordoned"]
+            assert {a.get(f"/v1/sandboxes/{sid}").json()["node_id"] for sid in sids} == {"node-a"}
+            assert set(sids) <= set(node_sandboxes(c)["node-a"])
+            for sid in sids:
+                r = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER})
+                assert r.status_code == 201, r.text
+                cids[sid] = r.json()["id"]
+            before = {sid: _numbers(a, sid, cids[sid], 3)[-1] for sid in sids}
+            paused = sids[-1]
+            assert wait_operation(a, a.post(f"/v1/sandboxes/{paused}/pause").json()["operation"]["id"])[
+                "status"] == "succeeded"
+
+            # The SDK follows sids[0]'s counter over replica B through the whole drain.
+            followed: list[int] = []
+            stop_at = [10**9]
+
+            def follow() -> None:
+                with Client(c.api_url(1), c.admin_key) as sdk:
+                    buf = b""
+                    for ev in sdk.sandboxes.ref(sids[0]).get_command(cids[sids[0]]).events():
+                        buf += ev.data
+                        *done, buf = buf.split(b"\n")
+                        followed.extend(int(x) for x in done if x)
+                        if followed and followed[-1] >= stop_at[0]:
+                            return
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                follower = pool.submit(follow)
+                c.move_stall_marker.unlink()  # armed: the first move to switch nodes stalls there
+                r = a.post("/v1/nodes/node-a/drain", json={"parallel": 3})
+                assert r.status_code == 202, r.text
+                drain_id = r.json()["operation"]["id"]
+                assert r.json()["node"]["cordoned"]
+                victim = wait_for(lambda: _controller_stalled_at(c, "controller.move.after_switch"), 180,
+                                  "a controller to stall after switching a move to its new node")
+                victim.kill()
+                c.start_controller()  # back to two
+                op = wait_operation(a, drain_id, timeout=600)
+                assert op["status"] == "succeeded", op
+                assert sorted(op["result"]["moved"]) == sorted(sids)
+                assert op["progress"]["remaining"] == 0 and op["progress"]["failed"] == 0
+
+                # Every sandbox exactly once, none on node-a, where its row says.
+                placed = node_sandboxes(c)
+                assert not set(sids) & set(placed["node-a"]), placed["node-a"]
+                for sid in sids:
+                    holders = [n for n, ids in placed.items() if sid in ids]
+                    row = b.get(f"/v1/sandboxes/{sid}").json()
+                    assert holders == [row["node_id"]], (sid, holders, row["node_id"])
+                    assert row["state"] == ("paused" if sid == paused else "running"), row
+                    moved = [e for e in b.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "moved"]
+                    assert len(moved) == 1 and moved[0]["data"]["from_node"] == "node-a", moved
+                node_a = a.get("/v1/nodes/node-a").json()
+                assert node_a["cordoned"] and node_a["state"] == "ready"
+
+                # The counters count on from where they were: their memory came along.
+                for sid in sids[:-1]:
+                    got = _numbers(b, sid, cids[sid], before[sid] + 4)
+                    assert got == list(range(1, len(got) + 1)), (sid, got)
+                assert b.get(f"/v1/sandboxes/{paused}").json()["state"] == "paused"
+                assert wait_operation(b, b.post(f"/v1/sandboxes/{paused}/resume").json()["operation"]["id"])[
+                    "status"] == "succeeded"
+                got = _numbers(b, paused, cids[paused], before[paused] + 2)
+                assert got == list(range(1, len(got) + 1)), got
+
+                stop_at[0] = _numbers(b, sids[0], cids[sids[0]], 1)[-1] + 2
+                follower.result(timeout=120)
+            assert followed == list(range(1, len(followed) + 1)) and followed[-1] >= stop_at[0], followed[-20:]
+        finally:
+            c.move_stall_marker.touch()
+            for sid in sids:
+                _delete(a, sid)
+            a.post("/v1/nodes/node-a/uncordon")
+
+
+def test_a_drain_with_nowhere_to_go_is_refused(deployment: Cluster) -> None:
+    with deployment.client(0) as a:
+        try:
+            for other in ("node-b", "node-c"):
+                a.post(f"/v1/nodes/{other}/cordon")
+            r = a.post("/v1/nodes/node-a/drain")
+            assert r.status_code == 409 and "no other ready, uncordoned node" in r.json()["error"]["message"], r.text
+            assert not a.get("/v1/nodes/node-a").json()["cordoned"]
+        finally:
+            for other in ("node-b", "node-c"):
+                a.post(f"/v1/nodes/{other}/uncordon")

@@ -383,8 +383,8 @@ def create_node_app(
         return sandbox_view(manager.get(sandbox_id))
 
     @r.delete("/sandboxes/{sandbox_id}", status_code=204)
-    async def delete_sandbox(sandbox_id: str) -> Response:
-        await manager.delete(sandbox_id)
+    async def delete_sandbox(sandbox_id: str, reason: Literal["moved"] | None = None) -> Response:
+        await manager.delete(sandbox_id, reason=reason)
         return Response(status_code=204)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -528,8 +528,19 @@ def create_node_app(
                 await queue.put(exc)
             await queue.put(None)
 
+        def moved() -> bytes | None:
+            """The ``moved`` event, if the stream ended because the sandbox left for another node:
+            the client reconnects (``Last-Event-ID``) and the control plane routes it there."""
+            if manager.departure(sandbox_id) != "moved":
+                return None
+            return sse("moved", {"sandbox_id": sandbox_id, "retry": True,
+                                 "message": "the sandbox moved to another node: reconnect to continue"})
+
         async def stream_error(exc: SpaceError) -> bytes | None:
-            """A stream that broke: an ``error`` event if the sandbox died, else a plain end (retry)."""
+            """A stream that broke: ``moved`` if the sandbox left for another node, an ``error``
+            event if it died, else a plain end (retry)."""
+            if (event := moved()) is not None:
+                return event
             err = exc
             try:
                 await manager.check_alive(manager.get(sandbox_id), settle=3.0)
@@ -558,9 +569,12 @@ def create_node_app(
 
         async def body_iter() -> AsyncIterator[bytes]:
             item = first
+            exited = False
             try:
                 while True:
                     if item is None:
+                        if not exited and (event := moved()) is not None:
+                            yield event
                         return
                     if isinstance(item, SpaceError):
                         last = await stream_error(item)
@@ -568,6 +582,7 @@ def create_node_app(
                             yield last
                         return
                     if item:
+                        exited = exited or b"\nevent: exit\n" in b"\n" + item[:64]
                         yield item
                     try:
                         item = await asyncio.wait_for(queue.get(), timeout=sse_keepalive)

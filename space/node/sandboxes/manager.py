@@ -39,6 +39,9 @@ from space.runtime.base import InstanceSpec, RuntimeDriver
 
 log = structlog.get_logger("space.node.sandboxes.manager")
 
+#: How many moved-away sandboxes a node remembers (for the ``moved`` event of their streams).
+MAX_DEPARTED = 10_000
+
 STATE_FILE = "state.json"
 #: Deleted sandboxes' directories while their removal finishes in the background.
 TRASH = "trash"
@@ -117,6 +120,9 @@ class SandboxManager:
         self._reaping: set[asyncio.Task[None]] = set()
         #: Template specs by digest (what a sandbox's template says about env, workdir, start).
         self._specs: dict[str, dict[str, Any]] = {}
+        #: Sandboxes removed from here because they now run on another node: streams of theirs
+        #: that end say so (``moved``) instead of reporting an error. Bounded: a hint, not a registry.
+        self._departed: dict[str, str] = {}
         channel_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -402,7 +408,17 @@ class SandboxManager:
         }
         self._save(sb)
 
-    async def delete(self, sandbox_id: str) -> None:
+    def departure(self, sandbox_id: str) -> str | None:
+        """Why ``sandbox_id`` left this node, if it was moved elsewhere (``"moved"``)."""
+        return self._departed.get(sandbox_id)
+
+    async def delete(self, sandbox_id: str, *, reason: str | None = None) -> None:
+        """Remove the sandbox from this node. ``reason="moved"``: it runs on another node now,
+        and streams still attached here end with a ``moved`` event."""
+        if reason is not None:
+            if len(self._departed) >= MAX_DEPARTED:
+                self._departed.pop(next(iter(self._departed)))
+            self._departed[sandbox_id] = reason
         async with self._lock(sandbox_id):
             sb = self._sandboxes.get(sandbox_id)
             if sb is None:
@@ -819,6 +835,7 @@ class SandboxManager:
         existing = self._sandboxes.get(sandbox_id)
         if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
             return existing
+        self._departed.pop(sandbox_id, None)  # back here (moved back, restored here)
         try:
             snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant,
                                              owner=owner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 from urllib.parse import quote
 
-from space.sdk._models import JSON
+from space.sdk._models import JSON, Operation
 
 from ._http import AsyncHTTP
 
@@ -42,3 +42,19 @@ class AsyncNodes:
     async def remove(self, node_id: str) -> None:
         """Forget a node (refused while sandboxes are on it)."""
         await self._http.request("DELETE", f"/v1/nodes/{quote(node_id, safe='')}")
+
+    async def cordon(self, node_id: str) -> JSON:
+        """Place nothing new on the node (its warm pool is let go); what runs there runs on."""
+        return await self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/cordon")
+
+    async def uncordon(self, node_id: str) -> JSON:
+        """Put the node back into placement (a drain under way stops)."""
+        return await self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/uncordon")
+
+    async def drain(self, node_id: str, *, parallel: int = 2) -> Operation:
+        """Cordon the node and move every sandbox off it (running ones with their processes):
+        the ``node.drain`` operation (``client.operations.wait`` it; its ``progress`` counts
+        ``moved``, ``remaining``, ``failed``)."""
+        body = await self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/drain",
+                                     json={"parallel": parallel})
+        return Operation.from_json(body["operation"])

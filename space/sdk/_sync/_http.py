@@ -19,6 +19,8 @@ from space.sdk._sse import SSEDecoder
 #: Pauses before successive re-connections of an event stream that keeps failing without progress;
 #: after the last one the stream's error is raised. A stream that made progress retries at once.
 RECONNECT_DELAYS: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
+#: ``moved`` events in a row (no event between them) after which a stream counts as failing.
+MAX_MOVES_IN_A_ROW = 3
 #: An event stream silent for this long is re-opened where it left off, so a connection that died
 #: without a FIN is noticed; an idle re-open does not count as a failure.
 STREAM_IDLE_TIMEOUT = 120.0
@@ -118,19 +120,20 @@ class SyncHTTP:
     ) -> Iterator[tuple[str, int | None, JSON]]:
         """Yield ``(event, seq, data)`` from an SSE endpoint until the ``final`` event.
 
-        A dropped or prematurely ended stream is re-opened with ``Last-Event-ID`` set to the last
-        sequence number seen, and anything at or below it is skipped, so the caller sees every event
-        exactly once. Only retryable errors (unavailable, timeout) are retried, a bounded number of
-        times in a row without progress.
+        A dropped or prematurely ended stream (or one that says its sandbox ``moved`` to another
+        node) is re-opened with ``Last-Event-ID`` set to the last sequence number seen, and anything
+        at or below it is skipped, so the caller sees every event exactly once. Only retryable
+        errors (unavailable, timeout) are retried, a bounded number of times in a row without
+        progress.
         """
         last = after
-        failures = 0
+        failures = moves_in_a_row = 0
         timeout = httpx.Timeout(self.timeout, read=STREAM_IDLE_TIMEOUT)
         while True:
             headers = {"Accept": "text/event-stream"}
             if last > 0:
                 headers["Last-Event-ID"] = str(last)
-            connected = progressed = False
+            connected = progressed = moved = False
             lost: errors.SpaceError
             try:
                 with self.stream("GET", path, params=params, headers=headers, timeout=timeout) as resp:
@@ -148,6 +151,10 @@ class SyncHTTP:
                         if sse.event == "error":
                             # The server ended the stream for good (e.g. the sandbox died).
                             raise errors.from_wire(500, {"error": sse.json()})
+                        if sse.event == "moved":
+                            # The sandbox moved to another node: the same request reaches it there.
+                            moved = True
+                            break
                         progressed = True
                         yield sse.event, seq, sse.json()
                         if sse.event == final:
@@ -157,6 +164,11 @@ class SyncHTTP:
                 if not exc.retryable:
                     raise
                 lost = exc
+            if progressed:
+                moves_in_a_row = 0
+            if moved and moves_in_a_row < MAX_MOVES_IN_A_ROW:
+                moves_in_a_row += 1  # reconnect at once (bounded: a stream that only says "moved")
+                continue
             if progressed or (connected and isinstance(lost, errors.Timeout)):
                 failures = 0
                 continue

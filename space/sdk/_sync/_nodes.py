@@ -6,7 +6,7 @@ from __future__ import annotations
 import builtins
 from urllib.parse import quote
 
-from space.sdk._models import JSON
+from space.sdk._models import JSON, Operation
 
 from ._http import SyncHTTP
 
@@ -43,3 +43,19 @@ class Nodes:
     def remove(self, node_id: str) -> None:
         """Forget a node (refused while sandboxes are on it)."""
         self._http.request("DELETE", f"/v1/nodes/{quote(node_id, safe='')}")
+
+    def cordon(self, node_id: str) -> JSON:
+        """Place nothing new on the node (its warm pool is let go); what runs there runs on."""
+        return self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/cordon")
+
+    def uncordon(self, node_id: str) -> JSON:
+        """Put the node back into placement (a drain under way stops)."""
+        return self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/uncordon")
+
+    def drain(self, node_id: str, *, parallel: int = 2) -> Operation:
+        """Cordon the node and move every sandbox off it (running ones with their processes):
+        the ``node.drain`` operation (``client.operations.wait`` it; its ``progress`` counts
+        ``moved``, ``remaining``, ``failed``)."""
+        body = self._http.json("POST", f"/v1/nodes/{quote(node_id, safe='')}/drain",
+                                     json={"parallel": parallel})
+        return Operation.from_json(body["operation"])
