@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -69,18 +70,21 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def gaps(api: httpx.Client, sid: str, cid: str) -> list[float]:
-    """Every gap the probe printed so far (its stream read up to now, not to its end)."""
+def gaps(api: httpx.Client, sid: str, cid: str, *, listen: float = 1.0) -> list[float]:
+    """Every gap the probe printed so far: its stream from the start, read for ``listen`` seconds
+    after the last output (a running command's stream never ends; keepalives come meanwhile)."""
     out = b""
+    quiet_since = time.monotonic()
     with api.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
-                    timeout=httpx.Timeout(60, read=1.5)) as r:
+                    timeout=httpx.Timeout(60, read=listen)) as r:
         r.raise_for_status()
-        try:
+        with contextlib.suppress(httpx.ReadTimeout):  # quiet for ``listen`` s: all there is for now
             for line in r.iter_lines():
                 if line.startswith("data:") and '"data"' in line:
                     out += base64.b64decode(json.loads(line[5:])["data"])
-        except httpx.ReadTimeout:
-            pass  # nothing more for now
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > listen:
+                    break
     return [float(x) for x in out.split()]
 
 
@@ -123,6 +127,7 @@ def bench_workload(api: httpx.Client, name: str, per: int, rounds: int) -> dict[
             r = api.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": ["python3", "/tmp/probe.py", str(w["hold_mb"])]})
             r.raise_for_status()
             cids[sid] = r.json()["id"]
+        log(f"{name}: {len(sids)} sandboxes on node-a, probes started")
         time.sleep(2)  # the probes are up (and hold their memory) before the first drain
         frozen: list[float] = []
         total: list[float] = []

@@ -210,6 +210,11 @@ async def drain(node_id: str, who: Auth, st: St, body: DrainBody | None = None) 
     running = await st.store.find_operations(target=target, kind="node.drain", status=["pending", "running"])
     if running:
         return JSONResponse({"node": node_view(row), "operation": views.operation(running[0])}, status_code=202)
+    if row.state != "ready":
+        # Its sandboxes cannot be checkpointed where they are: a lost node's are restored elsewhere
+        # from what was shipped of them, not drained.
+        raise Conflict(f"node {node_id} is {row.state}: only a ready node can be drained", node=node_id,
+                       state=row.state)
     if not [n for n in await st.store.list_nodes("ready") if n.id != node_id and not n.cordoned]:
         raise Conflict(f"node {node_id} cannot be drained: no other ready, uncordoned node to move its "
                        "sandboxes to", node=node_id)

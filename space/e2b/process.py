@@ -41,6 +41,8 @@ STATE_CHECK: Final = 2.0
 #: How often a broken event stream is re-opened before the call gives up.
 MAX_REOPEN: Final = 5
 MAX_INPUT: Final = 16 << 20
+#: How long SendSignal(SIGKILL) waits for the command to be reaped before it answers.
+KILL_REAP_WAIT: Final = 2.0
 _SIGNALS: Final = {"SIGNAL_SIGKILL": signal_mod.SIGKILL, "SIGNAL_SIGTERM": signal_mod.SIGTERM,
                    "SIGNAL_SIGINT": signal_mod.SIGINT, "SIGNAL_SIGHUP": signal_mod.SIGHUP}
 #: Go's names for the signals a process commonly dies of (``signal: killed``).
@@ -296,7 +298,22 @@ async def send_signal(st: AppState, request: Request) -> Response:
         if exc.code == "invalid_state":  # it exited meanwhile
             raise ConnectError("not_found", f"process with pid {cmd['pid']} not found") from None
         raise
+    if sig == signal_mod.SIGKILL:
+        await _reaped(t, str(cmd["id"]))
     return json_body({})
+
+
+async def _reaped(t: Target, command_id: str) -> None:
+    """Wait (briefly) until a killed command is reaped, so that a ``List`` right after ``kill()``
+    no longer shows it: agent code kills and then lists. SIGKILL cannot be caught, so this is
+    milliseconds; past the bound the answer goes out anyway (the kill was delivered)."""
+    deadline = time.monotonic() + KILL_REAP_WAIT
+    pause = 0.005
+    while time.monotonic() < deadline:
+        if not any(c.get("id") == command_id and c.get("state") == "running" for c in await _commands(t)):
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 async def _write_input(t: Target, cmd: dict[str, Any], data: bytes, *, eof: bool = False) -> None:

@@ -3,8 +3,8 @@
 - cordon takes a node out of placement (``schedulable`` false, the scheduler passes it over) and
   uncordon puts it back; both are the operator's, as is a drain
 - a drain cordons the node and answers its ``node.drain`` operation; asked again while it runs, the
-  same operation; with nowhere to move the sandboxes to it is refused at once (409) and the node
-  is left as it was
+  same operation; with nowhere to move the sandboxes to, or of a node that is not ready, it is
+  refused at once (409) and the node is left as it was
 - an unknown node is 404 for all three; a bad ``parallel`` is 422
 """
 
@@ -61,6 +61,16 @@ async def test_a_drain_with_nowhere_to_go_is_refused_and_changes_nothing(api: Ap
     assert "no other ready, uncordoned node" in r.json()["error"]["message"]
     assert not (await store.get_node("n1")).cordoned
     assert not await store.find_operations(kind="node.drain")
+
+
+async def test_only_a_ready_node_is_drained(api: Api, store: Store) -> None:
+    for n in ("n1", "n2"):
+        await _node(api, n)
+        await store.set_node_state(n, "ready")
+    await store.set_node_state("n1", "down")
+    r = await api.http.post("/v1/nodes/n1/drain", headers=api.operator)
+    assert (r.status_code, code(r)) == (409, "conflict") and "is down" in r.json()["error"]["message"], r.text
+    assert not (await store.get_node("n1")).cordoned
 
 
 async def test_cordon_and_drain_are_the_operators_and_need_a_node(api: Api) -> None:

@@ -530,3 +530,42 @@ def test_a_drain_with_nowhere_to_go_is_refused(deployment: Cluster) -> None:
         finally:
             for other in ("node-b", "node-c"):
                 a.post(f"/v1/nodes/{other}/uncordon")
+
+
+def test_a_node_agent_restarted_in_place_keeps_its_sandboxes_running(deployment: Cluster) -> None:
+    """The fast rolling upgrade: node-b's agent is stopped and started again on the same data (a new
+    version would be a new binary); its join token is used up by now, so it serves on the certificate
+    of its last join. The sandbox on it never stopped: its counter counts on, its command is the same."""
+    c = deployment
+    node = next(n for n in c.nodes if n.node_id == "node-b")
+    with c.client(0) as a, c.client(1) as b:
+        for other in ("node-a", "node-c"):
+            a.post(f"/v1/nodes/{other}/cordon")
+        try:
+            sid = create_sandbox(a)
+        finally:
+            for other in ("node-a", "node-c"):
+                a.post(f"/v1/nodes/{other}/uncordon")
+        try:
+            assert a.get(f"/v1/sandboxes/{sid}").json()["node_id"] == "node-b"
+            cid = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER}).json()["id"]
+            before = _numbers(a, sid, cid, 2)[-1]
+            node.proc.stop()
+            node.proc.start()
+
+            def serving() -> bool:
+                node.proc.check_alive()
+                try:
+                    with c.node_client(node) as nc:
+                        return nc.get("/v1/node").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_for(serving, 120, "node-b's new agent to serve", interval=0.2)
+            assert '"node.join_skipped"' in node.proc.log_tail(100_000)  # its token is used up
+            c.wait_nodes_ready()
+            got = _numbers(b, sid, cid, before + 4)
+            assert got == list(range(1, len(got) + 1)), got
+            assert run(b, sid, {"shell": "echo still here"})[1] == b"still here\n"
+        finally:
+            _delete(a, sid)

@@ -46,6 +46,25 @@ def _qname(msg: bytes) -> tuple[str, int, int]:
     return ".".join(labels).lower(), qtype, pos + 5
 
 
+def _udp_and_tcp_on_one_port(attempts: int = 50) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket bound to the same free loopback port (DNS answers on both). The
+    kernel picks the UDP port; that TCP port may be taken by someone else (CI ran into it), so
+    another pair is tried."""
+    for _ in range(attempts):
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind(("127.0.0.1", 0))
+        tcp = socket.socket()
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+        except OSError:
+            udp.close()
+            tcp.close()
+            continue
+        return udp, tcp
+    raise RuntimeError(f"no loopback port free for both UDP and TCP in {attempts} tries")
+
+
 class CountingDns:
     """Answers ``names`` (A records) and NXDOMAIN for the rest; ``asked`` lists every question.
     ``silent``: records and never answers (a slow upstream: every lookup stays in flight)."""
@@ -55,12 +74,8 @@ class CountingDns:
         self.silent = silent
         self.asked: list[tuple[str, int]] = []
         self._lock = threading.Lock()
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
+        self.udp, self.tcp = _udp_and_tcp_on_one_port()
         self.port = int(self.udp.getsockname()[1])
-        self.tcp = socket.socket()
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind(("127.0.0.1", self.port))
         self.tcp.listen(16)
         self._stop = False
         for target in (self._serve_udp, self._serve_tcp):
