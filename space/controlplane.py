@@ -67,6 +67,8 @@ class ControlPlaneSettings:
     default_quota: dict[str, Any] | None = None
     bootstrap_templates: tuple[str, ...] = ("base",)
     lease_seconds: float = 10.0
+    #: Seconds between continuous-backup looks for sandboxes whose policy does not say (None: off).
+    backup_every: float | None = 60.0
 
 
 @dataclasses.dataclass
@@ -105,7 +107,7 @@ async def open_control_plane(settings: ControlPlaneSettings, role: Literal["api"
         await wakeups.start()
         objects = ObjectStore.from_url(settings.object_store_url, env=env)
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
-                                objects=objects, wakeups=wakeups)
+                                objects=objects, wakeups=wakeups, backup_every=settings.backup_every)
         controller.lifecycle.credentials = credentials
         yield ControlPlane(store, wakeups, nodes, controller, keys, credentials)
     finally:

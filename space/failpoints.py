@@ -7,7 +7,8 @@ at that line loses nothing. Off unless ``$SPACE_FAILPOINTS`` names them::
 if PATH does not exist yet (and creates it), so the restarted process gets past it; ``sleep:N``
 stalls for N seconds; ``sleep-once:PATH:N`` stalls for N seconds in the first process to get
 there (of all that share PATH: several controllers), so a test can kill the one that stalls and
-watch another get past.
+watch another get past. ``while:PATH`` is a condition, not an action: :func:`active` is true while
+PATH exists (a node "partitioned" for as long as a test keeps the file).
 """
 
 from __future__ import annotations
@@ -51,3 +52,17 @@ async def hit(name: str) -> None:
                 f.write(name)
         log.warning("failpoint.crash", name=name)
         os._exit(137)
+
+
+def active(name: str) -> bool:
+    """Whether failpoint ``name`` (``while:PATH``) holds right now."""
+    action = _table().get(name)
+    if action is None:
+        return False
+    kind, _, arg = action.partition(":")
+    return kind == "while" and os.path.exists(arg)
+
+
+def configured(name: str) -> bool:
+    """Whether ``$SPACE_FAILPOINTS`` names ``name`` at all (decided once, at start)."""
+    return name in _table()

@@ -42,6 +42,8 @@ ORIGIN_SCHEDULE = "schedule"
 #: Floors that keep a user's policy from turning the scheduler into a snapshot storm.
 MIN_DISK_EVERY = 10.0
 MIN_FULL_EVERY = 60.0
+#: Continuous disk backup (``backup_every``): how often the node looks for changes to ship.
+MIN_BACKUP_EVERY = 1.0
 MAX_TIERS = 16
 #: Upper bound of any duration: keeps datetime arithmetic far from overflow and typos visible.
 MAX_DURATION = 10 * 366 * 86400.0
@@ -204,11 +206,22 @@ class SnapshotPolicy:
     disk_every: float | None = 60.0
     full_every: float | None = 900.0
     tiers: tuple[Tier, ...] = field(default=DEFAULT_TIERS)
+    #: Seconds between looks of the continuous disk backup: None takes the deployment's default
+    #: (``space controller --backup-every``), 0 turns it off for this sandbox.
+    backup_every: float | None = None
 
     def __post_init__(self) -> None:
         _check_every("disk_every", self.disk_every, MIN_DISK_EVERY)
         _check_every("full_every", self.full_every, MIN_FULL_EVERY)
+        if self.backup_every != 0:
+            _check_every("backup_every", self.backup_every, MIN_BACKUP_EVERY)
         _check_tiers(self.tiers, "tiers")
+
+    def backup_interval(self, default: float | None) -> float | None:
+        """Seconds between backup looks for this sandbox, or None when it is not backed up."""
+        if self.backup_every is None:
+            return default or None
+        return self.backup_every or None
 
     def interval(self, kind: str) -> float | None:
         """Seconds between scheduled snapshots of ``kind``, or None when that schedule is off."""
@@ -237,10 +250,13 @@ class SnapshotPolicy:
         disk_every = _parse_every(d, "disk_every", default.disk_every)
         full_every = _parse_every(d, "full_every", default.full_every)
         tiers = _parse_tiers(d["retention"]) if "retention" in d else default.tiers
+        backup_every = None
+        if "backup_every" in d:
+            backup_every = 0.0 if d["backup_every"] is None else parse_duration(d["backup_every"], "backup_every")
         _check_every("disk_every", disk_every, MIN_DISK_EVERY)
         _check_every("full_every", full_every, MIN_FULL_EVERY)
         _check_tiers(tiers, "retention")
-        return cls(disk_every=disk_every, full_every=full_every, tiers=tiers)
+        return cls(disk_every=disk_every, full_every=full_every, tiers=tiers, backup_every=backup_every)
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON form (seconds as numbers); ``from_dict(p.to_dict()) == p``."""
@@ -248,10 +264,11 @@ class SnapshotPolicy:
             "disk_every": _num(self.disk_every),
             "full_every": _num(self.full_every),
             "retention": [{"within": _num(t.within), "every": _num(t.every)} for t in self.tiers],
+            **({"backup_every": _num(self.backup_every)} if self.backup_every is not None else {}),
         }
 
 
-_POLICY_KEYS = frozenset({"disk_every", "full_every", "retention"})
+_POLICY_KEYS = frozenset({"disk_every", "full_every", "retention", "backup_every"})
 _TIER_KEYS = frozenset({"within", "every"})
 
 

@@ -389,3 +389,18 @@ def test_due() -> None:
     assert due(p, "disk", T0.replace(tzinfo=None), at(60))
     with pytest.raises(InvalidRequest):
         due(p, "memory", None, T0)
+
+
+def test_backup_every_defers_to_the_deployment_unless_the_sandbox_says() -> None:
+    from space.retention import SnapshotPolicy
+
+    assert SnapshotPolicy.from_dict({}).backup_interval(60) == 60
+    assert SnapshotPolicy.from_dict({}).backup_interval(None) is None
+    assert SnapshotPolicy.from_dict({"backup_every": "2m"}).backup_interval(None) == 120
+    assert SnapshotPolicy.from_dict({"backup_every": 0}).backup_interval(60) is None  # off for this one
+    assert SnapshotPolicy.from_dict({"backup_every": None}).backup_interval(60) is None
+    assert SnapshotPolicy.from_dict({"backup_every": 5}).to_dict()["backup_every"] == 5
+    assert "backup_every" not in SnapshotPolicy.from_dict({}).to_dict()  # stored policies stay as they were
+    with pytest.raises(InvalidRequest) as info:
+        SnapshotPolicy.from_dict({"backup_every": 0.5})
+    assert info.value.details.get("field") == "backup_every"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from space.lifecycle import State, allowed_actions
@@ -46,7 +46,24 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "project": sb.project,
         "egress": sb.egress or {},
         "secrets": list(sb.secrets or []),
+        "backup": backup(sb),
     }
+
+
+def backup(sb: Sandbox, now: datetime | None = None) -> dict[str, Any] | None:
+    """What of the sandbox is durable in object storage and how old it is (``rpo_s``: the age of
+    the newest of its disk backup and its uploaded full checkpoint); None while nothing is."""
+    rec = sb.backup or {}
+    disk_at = datetime.fromisoformat(rec["disk_at"]) if rec.get("disk_at") else None
+    memory_at = datetime.fromisoformat(rec["memory_at"]) if rec.get("memory_at") else None
+    if disk_at is None and memory_at is None:
+        return None
+    newest = max(t for t in (disk_at, memory_at) if t is not None)
+    now = now or datetime.now(UTC)
+    return {"disk_at": _ts(disk_at), "memory_at": _ts(memory_at),
+            "rpo_s": round(max(0.0, (now - newest).total_seconds()), 1),
+            "chain": rec.get("chain"), "links": int(rec.get("seq", -1)) + 1 if rec.get("chain") else 0,
+            "error": rec.get("error")}
 
 
 def snapshot(s: Snapshot) -> dict[str, Any]:

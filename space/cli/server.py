@@ -177,6 +177,11 @@ def node_run(
         help="The deployment's manifest key (the same on every node; $SPACE_MANIFEST_KEY wins): object "
              "storage manifests are sealed and checked with it. Required with --object-store-url.")] = None,
     create_manifest_key: Annotated[bool, typer.Option("--create-manifest-key", hidden=True)] = False,
+    fence_after: Annotated[float | None, typer.Option(
+        "--fence-after", min=0.0, envvar="SPACE_FENCE_AFTER",
+        help="Seconds without the control plane's heartbeat after which this node freezes its own "
+             "sandboxes (they may be restored elsewhere); 0: never. Default 30 with --listen, 0 with --socket.")]
+    = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     secrets_fd: Annotated[int | None, typer.Option(
         "--secrets-fd", hidden=True,
@@ -233,6 +238,7 @@ def node_run(
             die_with_parent=die_with_parent, object_store_url=object_store_url, join=join,
             network=network, egress_ca_dir=egress_ca_dir, socket_group=socket_group, user=user,
             egress_ceiling=_ceiling(egress_private),
+            fence_after=(fence_after if fence_after is not None else 30.0 if listen is not None else 0.0) or None,
             object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
             manifest_keys=keys,
         ))
@@ -368,6 +374,10 @@ def controller(
         "--lease-seconds", min=1.0,
         help="How long an operation a controller claimed stays its own without renewal: after a crash, "
              "another controller takes it over this long after the last renewal.")] = 10.0,
+    backup_every: Annotated[float, typer.Option(
+        "--backup-every", min=0.0, envvar="SPACE_BACKUP_EVERY",
+        help="Seconds between the continuous disk backup's looks at each sandbox whose snapshot policy "
+             "names no backup_every (0: such sandboxes are not backed up).")] = 60.0,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one controller (run several: they share the work, one leads)."""
@@ -376,7 +386,7 @@ def controller(
     logs.configure(log_level)
     controlplane.run("controller", controlplane.ControlPlaneSettings(
         database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir,
-        lease_seconds=lease_seconds))
+        lease_seconds=lease_seconds, backup_every=backup_every or None))
 
 
 keys_app = typer.Typer(help="The deployment's shared keys.", no_args_is_help=True)

@@ -20,9 +20,11 @@ import structlog
 
 from space import failpoints, ids
 from space.controller import placement
+from space.controller.backups import BackupSync
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.moves import Moves
+from space.controller.node_loss import NodeLoss
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
@@ -58,7 +60,7 @@ CLAIM_GRACE = float(os.environ.get("SPACE_CLAIM_GRACE", "60"))
 
 #: What a node's heartbeat records for placement (see space.controller.placement).
 HEARTBEAT_FIELDS = ("pool", "sandboxes", "templates", "cpus", "memory_mb", "committed_cpu",
-                    "committed_memory_mb", "loadavg", "warm")
+                    "committed_memory_mb", "loadavg", "warm", "fence")
 
 #: The share of an operation's lease after which a controller that could not renew it stops.
 LEASE_SAFETY = 0.8
@@ -81,6 +83,7 @@ class Controller:
         objects: ObjectStore | None = None,
         leader_lease_seconds: float = 3.0,
         wakeups: LocalWakeups | None = None,
+        backup_every: float | None = None,
     ) -> None:
         self.store = store
         self.nodes = nodes
@@ -89,6 +92,10 @@ class Controller:
         self.reconcile_every = reconcile_every
         self.policy_every = policy_every
         self.lifecycle = LifecycleOps(store, nodes, objects)
+        #: Continuous backup: nodes configured, their reports recorded (``backup_every``: the
+        #: deployment's default interval; None backs up only sandboxes whose policy asks).
+        self.backups = BackupSync(store, objects, every=backup_every)
+        self.lifecycle.backups = self.backups
         self.policies = Policies(store, nodes, self.lifecycle)
         self.leadership = Leadership(store, self.owner, self._lead, lease_seconds=leader_lease_seconds)
         self.template_specs = template_specs or {}
@@ -113,6 +120,21 @@ class Controller:
         }
         self._failure_handlers: dict[str, Callable[[Operation, SpaceError], Awaitable[None]]] = \
             self.lifecycle.failure_handlers() | self.moves.failure_handlers() | TemplateOps(self).failure_handlers()
+        # A lost node's sandboxes come back elsewhere through the same operation as a crash's.
+        self.node_loss = NodeLoss(store, nodes, self.lifecycle)
+        self._handlers["sandbox.recover"] = self._recover
+        self._failure_handlers["sandbox.recover"] = self._recover_failed
+
+    async def _recover(self, op: Operation) -> dict[str, Any]:
+        if op.request.get("lost_node"):
+            return await self.node_loss.relocate(op)
+        return await self.lifecycle.recover(op)
+
+    async def _recover_failed(self, op: Operation, exc: SpaceError) -> None:
+        if op.request.get("lost_node"):
+            await self.node_loss.relocate_failed(op, exc)
+        else:
+            await self.lifecycle.rollback_failed(op, exc)
 
     def wake(self) -> None:
         """Tell the controllers, this one and the others, that a new operation is waiting (saves
@@ -449,7 +471,9 @@ class Controller:
             wanted = [] if row.cordoned else pools  # a cordoned node lets its warm sandboxes go
             try:
                 node = await self.nodes.client(row.id)
-                info = await node.call("GET", "/v1/node", timeout=5)
+                beat = self.node_loss.heartbeats.params(row.id)
+                info = await node.call("GET", "/v1/node", params=beat, timeout=5)
+                self.node_loss.heartbeats.answered(row.id, beat["hb"])
                 if _pool_sizes(info.get("warm") or []) != _pool_sizes(wanted):
                     # The node's warm pools converge on the database's (a new node, a restart,
                     # a change this node missed).
@@ -459,12 +483,18 @@ class Controller:
                 if row.state == "joining":  # why a node stays joining (its TLS, its address)
                     log.warning("node.unreachable", node=row.id, state=row.state, error=exc.message[:300])
                 if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
-                    log.warning("node.down", node=row.id)
-                    await self.store.set_node_state(row.id, "down")
+                    log.warning("node.unreachable", node=row.id, silent_s=round(now - row.heartbeat_at.timestamp(), 1))
+                    await self.store.set_node_state(row.id, "unreachable")
+                await self.node_loss.silent(row, now)
                 continue
             if row.state != "ready":
                 log.info("node.up", node=row.id)
             await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+            await self.node_loss.release_or_discard(row, node, info)
+            try:
+                await self.backups.sync(row.id, node, info)
+            except SpaceError as exc:  # the next heartbeat tries again
+                log.warning("backup.sync_failed", node=row.id, error=str(exc))
             try:
                 await self._sync_egress(row.id, node, info)
             except SpaceError as exc:  # the next heartbeat tries again

@@ -25,6 +25,7 @@ from space.store import Operation, Sandbox, Snapshot, Store
 from space.store.models import AuditRecord
 
 if TYPE_CHECKING:
+    from space.controller.backups import BackupSync
     from space.credentials.manager import CredentialManager
 
 log = structlog.get_logger("space.controller.lifecycle")
@@ -58,6 +59,9 @@ class LifecycleOps:
         self._background: set[asyncio.Task[None]] = set()
         #: Node copies of just-suspended sandboxes being removed; a restore waits for its own.
         self._evictions: dict[str, asyncio.Task[None]] = {}
+        #: Continuous backup (set by the controller): with it on, scheduled full checkpoints are
+        #: uploaded too, so that a lost node's sandboxes come back with their memory.
+        self.backups: BackupSync | None = None
 
     async def egress(self, sb: Sandbox) -> dict[str, Any]:
         return await egress_config(self.store, self.credentials, sb)
@@ -123,14 +127,22 @@ class LifecycleOps:
         info = await node.call("PUT", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}",
                                json_body={"kind": snap.kind}, timeout=LONG)
         fields: dict[str, Any] = {"meta": {k: info.get(k) for k in ("freeze_ms", "took_ms", "image_bytes")}}
+        key = None
         if snap.retain:
             key = retained_prefix(snap)
+        elif (snap.kind == "full" and snap.origin == "schedule" and self.backups is not None
+              and self.backups.enabled_for(sb) is not None):
+            key = object_prefix(sb, snap.id)  # the memory half of the continuous backup
+        if key is not None:
             res = await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}/upload",
                                   json_body={"prefix": key, "tenant": snap.tenant}, timeout=LONG)
             fields["object_key"] = key
             fields["meta"].update(uploaded_bytes=res.get("bytes"))
         snap = await self.store.update_snapshot(snap.id, status="ready", restorable=True, node_id=sb.node_id,
                                                 **fields)
+        if key is not None and not snap.retain:
+            await self.store.record_backup(sb.id, None, {"memory_at": snap.created_at.isoformat(),
+                                                         "memory_snapshot": snap.id})
         # Its size needs a walk of the tree: filled in after the operation answers.
         self._spawn(self._fill_size(node, sb.id, snap.id))
         return snap

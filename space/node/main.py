@@ -30,6 +30,7 @@ from space.node.network import build_net
 from space.node.network.egress import Egress
 from space.node.network.gateway import GatewayHandle
 from space.node.network.namespaces import GatewayPorts, Network
+from space.node.sandboxes.fencing import Fence
 from space.node.sandboxes.manager import SandboxManager
 from space.node.sandboxes.warm import WarmPool
 from space.node.storage.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
@@ -85,6 +86,9 @@ class NodeSettings:
     #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
     #: Warm-pool sandboxes booted at the same time (each boot takes most of a core for ~0.4 s).
     warm_concurrency: int = 1
+    #: Self-fencing lease (:mod:`space.node.sandboxes.fencing`): seconds without an acknowledged
+    #: heartbeat after which this node freezes its sandboxes. None: never (space serve's own node).
+    fence_after: float | None = None
     sse_keepalive: float = dataclasses.field(
         default_factory=lambda: float(os.environ.get("SPACE_SSE_KEEPALIVE", "15")))
     #: Each sandbox in its own network namespace whose only way out is the node's egress gateway.
@@ -312,6 +316,7 @@ async def serve_node(settings: NodeSettings) -> None:
                                       NodeTLSFiles.under(node_state_dir(settings.data_dir)))
     node = await build_node(settings)
     templates, manager, warm = node.templates, node.manager, node.warm
+    fence = Fence(manager, lease=settings.fence_after, state_file=node_state_dir(settings.data_dir) / "lease.json")
     app = create_node_app(
         node_id=settings.node_id,
         token=settings.token if settings.join is None else None,
@@ -320,6 +325,7 @@ async def serve_node(settings: NodeSettings) -> None:
         max_upload_bytes=settings.max_upload_bytes,
         sse_keepalive=settings.sse_keepalive,
         warm=warm,
+        fence=fence,
     )
     if settings.socket is not None:
         # uvicorn makes the socket world-writable: the 0700 (0710 with a group) directory guards it
@@ -344,6 +350,8 @@ async def serve_node(settings: NodeSettings) -> None:
     monitor = asyncio.create_task(manager.monitor())
     gateway_watch = asyncio.create_task(manager.watch_gateway())
     reserve = asyncio.create_task(manager.keep_reserve())
+    backups = asyncio.create_task(manager.backups.run())
+    fencing = asyncio.create_task(fence.watch())
     refill = asyncio.create_task(warm.run())
     serving = asyncio.create_task(server.serve())
     helper_watch = asyncio.create_task(_exit_with_helper(node.helper, server))
@@ -354,10 +362,12 @@ async def serve_node(settings: NodeSettings) -> None:
     finally:
         helper_watch.cancel()
         reserve.cancel()
+        backups.cancel()
+        fencing.cancel()
         monitor.cancel()
         refill.cancel()
         gateway_watch.cancel()
-        await asyncio.gather(monitor, refill, gateway_watch, reserve, return_exceptions=True)
+        await asyncio.gather(monitor, refill, gateway_watch, reserve, backups, fencing, return_exceptions=True)
         await warm.close()
         await manager.close()
         if settings.socket is not None:

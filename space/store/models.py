@@ -43,7 +43,9 @@ NAMING_CONVENTION = {
 }
 
 API_KEY_ROLES = ("admin", "member", "readonly")
-NODE_STATES = ("joining", "ready", "down")
+#: ``unreachable``: it missed heartbeats (nothing new is placed there); ``lost``: silent past its
+#: fencing lease, so its sandboxes are stopped there and are restored elsewhere.
+NODE_STATES = ("joining", "ready", "unreachable", "lost")
 TEMPLATE_STATUSES = ("building", "ready", "failed")
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed")
 OPERATION_FINAL = ("succeeded", "failed")
@@ -247,6 +249,9 @@ class Sandbox(Base):
     snapshot_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Only moves forward (``Store.touch_sandbox``), so late activity reports cannot rewind it.
     last_active_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    #: Its disk backup as its node last reported it (``Store.record_backup``): ``{"node", "prefix",
+    #: "chain", "seq", "disk_at", "bytes"}``; None until a first link is shipped.
+    backup: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     #: The sandbox this one was forked from.
     parent_id: Mapped[str | None] = mapped_column(String(64))
     #: The snapshot this one was forked or restored from.

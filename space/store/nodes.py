@@ -57,14 +57,14 @@ class NodeStore(StoreBase):
             return node
 
     async def mark_stale_nodes_down(self, stale_after: float) -> list[str]:
-        """Mark ready nodes whose last heartbeat is older than ``stale_after`` seconds down."""
+        """Mark ready nodes whose last heartbeat is older than ``stale_after`` seconds unreachable."""
         cutoff = utcnow() - dt.timedelta(seconds=stale_after)
         stale = and_(Node.state == "ready", Node.heartbeat_at < cutoff)
         async with self._tx() as s:
             node_ids = list(await s.scalars(select(Node.id).where(stale).with_for_update()))
             if node_ids:
                 await s.execute(
-                    update(Node).where(Node.id.in_(node_ids), stale).values(state="down")
+                    update(Node).where(Node.id.in_(node_ids), stale).values(state="unreachable")
                     .execution_options(synchronize_session=False)
                 )
         return node_ids

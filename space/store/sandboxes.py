@@ -26,7 +26,7 @@ SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "disk_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
      "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
-     "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce", "evict_node"}
+     "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce", "evict_node", "backup"}
 )
 
 
@@ -197,6 +197,23 @@ class SandboxStore(OperationStore, TenantStore):
                 .values(last_active_at=at)
                 .execution_options(synchronize_session=False)
             )
+
+    async def record_backup(self, sandbox_id: str, node_id: str | None, fields: dict[str, Any]) -> bool:
+        """Merge ``fields`` into the sandbox's ``backup`` (what of it is durable), if it still runs on
+        ``node_id`` (None: wherever it is): a node's late report after a move changes nothing. Like
+        activity, not a change of the sandbox: neither its generation nor ``updated_at`` moves.
+        Returns whether it was stored."""
+        async with self._tx() as s:
+            q = select(Sandbox).where(Sandbox.id == sandbox_id).with_for_update()
+            sb = (await s.scalars(q)).first()
+            if sb is None or (node_id is not None and sb.node_id != node_id):
+                return False
+            await s.execute(
+                update(Sandbox).where(Sandbox.id == sandbox_id)
+                .values(backup={**(sb.backup or {}), **fields})
+                .execution_options(synchronize_session=False)
+            )
+        return True
 
     # ---- an operation on a sandbox --------------------------------------------------------------
 

@@ -67,9 +67,9 @@ async def test_only_a_ready_node_is_drained(api: Api, store: Store) -> None:
     for n in ("n1", "n2"):
         await _node(api, n)
         await store.set_node_state(n, "ready")
-    await store.set_node_state("n1", "down")
+    await store.set_node_state("n1", "unreachable")
     r = await api.http.post("/v1/nodes/n1/drain", headers=api.operator)
-    assert (r.status_code, code(r)) == (409, "conflict") and "is down" in r.json()["error"]["message"], r.text
+    assert (r.status_code, code(r)) == (409, "conflict") and "is unreachable" in r.json()["error"]["message"], r.text
     assert not (await store.get_node("n1")).cordoned
 
 

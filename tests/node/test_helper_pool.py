@@ -94,6 +94,22 @@ async def cleanup(priv: InProcess, btrfs_pool: Pool) -> AsyncIterator[list[str]]
 # -- each verb -------------------------------------------------------------------------------------
 
 
+async def test_generation_moves_only_when_the_files_change(priv: InProcess, btrfs_pool: Pool,
+                                                           cleanup: list[str]) -> None:
+    root = btrfs_pool.root
+    cleanup += ["tmp/hv-gen"]
+    await priv.call("subvol.create", {"rel": "tmp/hv-gen"})
+    first = (await priv.call("subvol.generation", {"rel": "tmp/hv-gen"}))["generation"]
+    assert first == (await priv.call("subvol.generation", {"rel": "tmp/hv-gen"}))["generation"]
+    # Written but not yet committed: the verb commits before it reads, so this is seen.
+    (root / "tmp/hv-gen/file").write_bytes(b"x" * 4096)
+    second = (await priv.call("subvol.generation", {"rel": "tmp/hv-gen"}))["generation"]
+    assert second > first
+    assert second == (await priv.call("subvol.generation", {"rel": "tmp/hv-gen"}))["generation"]
+    with pytest.raises(NotFound):
+        await priv.call("subvol.generation", {"rel": "tmp/hv-gen-missing"})
+
+
 async def test_create_snapshot_flags_and_du(priv: InProcess, btrfs_pool: Pool, cleanup: list[str]) -> None:
     root = btrfs_pool.root
     cleanup += ["sandboxes/hv-verbs", "tmp/hv-src"]

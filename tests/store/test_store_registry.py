@@ -77,9 +77,9 @@ async def test_nodes_upsert_and_heartbeat(store: Store) -> None:
     assert n1b.created_at == n1.created_at
     assert n1b.heartbeat_at >= n1.heartbeat_at
 
-    await store.set_node_state("n1", "down")
+    await store.set_node_state("n1", "unreachable")
     assert await store.list_nodes() == []
-    assert [n.id for n in await store.list_nodes(state="down")] == ["n1"]
+    assert [n.id for n in await store.list_nodes(state="unreachable")] == ["n1"]
     await store.heartbeat_node("n1", {"cpu": 3})
     got = await store.get_node("n1")
     assert (got.state, got.capacity) == ("ready", {"cpu": 3})

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 import structlog
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect, HTTPConnection
 
-from space import ids, paths
+from space import failpoints, ids, paths
 from space.errors import (
     InvalidRequest,
     InvalidState,
@@ -40,6 +40,7 @@ from space.node.network.egress import Egress
 from space.node.network.port_proxy import ports_router
 from space.node.network.port_websocket import port_websocket_router
 from space.node.sandboxes import stats
+from space.node.sandboxes.fencing import Fence
 from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
 from space.node.storage import snapshots
@@ -184,6 +185,23 @@ class ShipRequest(BaseModel):
     disk_mb: int | None = Field(None, ge=16, le=1 << 30)
 
 
+class BackupConfig(BaseModel):
+    tenant: str = Field(..., min_length=1, max_length=128)
+    prefix: str = Field(..., min_length=1, max_length=512)
+    every: float = Field(60.0, ge=1, le=86400)
+    chain_links: int = Field(30, ge=1, le=1000)
+
+
+class BackupRestoreRequest(BaseModel):
+    tenant: str = Field(..., min_length=1, max_length=128)
+    prefix: str = Field(..., min_length=1, max_length=512)
+    chain: str = Field(..., min_length=1, max_length=64)
+    seq: int = Field(..., ge=0, lt=1000)
+    token: str | None = None
+    egress: EgressConfig | None = None
+    disk_mb: int | None = Field(None, ge=16, le=1 << 30)
+
+
 class EnsureTemplate(BaseModel):
     spec: dict[str, Any]
     force: bool = False
@@ -226,9 +244,20 @@ def create_node_app(
     max_upload_bytes: int,
     sse_keepalive: float = 15.0,
     warm: WarmPool | None = None,
+    fence: Fence | None = None,
 ) -> FastAPI:
     app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+
+    if failpoints.configured("node.partitioned"):
+        # A test's stand-in for a network partition: while it holds, nothing reaches this node's
+        # API, so no heartbeat renews its lease. Installed only when configured: no hot-path cost.
+        @app.middleware("http")
+        async def partition(request: Request, call_next: Any) -> Any:
+            if failpoints.active("node.partitioned"):
+                return JSONResponse({"error": {"code": "unavailable", "message": "partitioned (failpoint)"}},
+                                    status_code=503)
+            return await call_next(request)
 
     async def auth(request: HTTPConnection) -> None:  # a request or a WebSocket handshake
         if token is None:
@@ -242,7 +271,10 @@ def create_node_app(
     r = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 
     @r.get("/node")
-    async def node_info() -> dict[str, Any]:
+    async def node_info(hb: int | None = None, ack: int | None = None) -> dict[str, Any]:
+        # The control plane's heartbeat: it renews this node's fencing lease (fencing.py).
+        if fence is not None:
+            fence.heartbeat(hb, ack)
         usage = await manager.pool.usage()
         owned = manager.list()
         return {
@@ -263,7 +295,16 @@ def create_node_app(
             # Sandboxes whose secrets this agent lost in a restart: the control plane pushes them.
             "egress_missing": (manager.egress.missing_secrets([sb.id for sb in owned])
                                if manager.egress is not None else []),
+            # What of each sandbox's disk is durable in object storage, and as of when.
+            "backups": manager.backups.status(),
+            # The lease, and the sandboxes frozen because it ran out: the control plane releases
+            # those it still places here and has this node discard the others.
+            "fence": fence.status() if fence is not None else {"lease": None, "fenced": []},
         }
+
+    @r.post("/sandboxes/{sandbox_id}/unfence")
+    async def unfence(sandbox_id: str) -> dict[str, Any]:
+        return sandbox_view(await manager.unfence(sandbox_id))
 
     async def _egress(sandbox_id: str, cfg: EgressConfig | None) -> None:
         if cfg is not None:
@@ -453,6 +494,26 @@ def create_node_app(
         await _egress(sandbox_id, body.egress)
         sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token, disk_mb=body.disk_mb,
                                    tenant=body.tenant, owner=body.source)
+        await _egress(sandbox_id, body.egress)
+        return sandbox_view(sb)
+
+    @r.put("/sandboxes/{sandbox_id}/backup")
+    async def configure_backup(sandbox_id: str, body: BackupConfig) -> dict[str, Any]:
+        """Back the sandbox's disk up continuously under ``prefix`` (a chain of incremental links)."""
+        return manager.backups.configure(sandbox_id, body.model_dump())
+
+    @r.post("/sandboxes/{sandbox_id}/backup")
+    async def back_up_now(sandbox_id: str) -> dict[str, Any]:
+        """Look now (ship a link if the disk changed): before a planned move, and for tests."""
+        manager.get(sandbox_id)
+        return await manager.backups.back_up(sandbox_id)
+
+    @r.post("/sandboxes/{sandbox_id}/restore-backup")
+    async def restore_backup(sandbox_id: str, body: BackupRestoreRequest) -> dict[str, Any]:
+        """The sandbox on this node from its disk backup (its node was lost): processes restarted."""
+        await _egress(sandbox_id, body.egress)
+        sb = await manager.restore_backup(sandbox_id, prefix=body.prefix, chain=body.chain, seq=body.seq,
+                                          tenant=body.tenant, token=body.token, disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 

@@ -21,6 +21,10 @@ Layouts and numbers follow ``include/uapi/linux/btrfs.h`` (Linux 6.x):
 - ``BTRFS_IOC_GET_SUBVOL_ROOTREF _IOWR(0x94, 61, struct btrfs_ioctl_get_subvol_rootref_args)``:
   ``{ __u64 min_treeid; struct { __u64 treeid, dirid; } rootref[255]; __u8 num_items; __u8
   align[7]; }`` (4096 bytes; EOVERFLOW: more to come from the updated min_treeid)
+- ``BTRFS_IOC_GET_SUBVOL_INFO _IOR(0x94, 60, struct btrfs_ioctl_get_subvol_info_args)``: ``{ __u64
+  treeid; char name[256]; __u64 parent_id, dirid, generation, flags; __u8 uuid[16], parent_uuid[16],
+  received_uuid[16]; __u64 ctransid, otransid, stransid, rtransid; struct btrfs_ioctl_timespec { __u64
+  sec; __u32 nsec; } ctime, otime, stime, rtime; __u64 reserved[8]; }`` (504 bytes; Linux >= 4.18)
 - ``BTRFS_IOC_INO_LOOKUP_USER _IOWR(0x94, 62, struct btrfs_ioctl_ino_lookup_user_args)``:
   ``{ __u64 dirid, treeid; char name[BTRFS_VOL_NAME_MAX + 1]; char path[4080 - 256]; }`` (4096)
 - ``BTRFS_SUBVOL_RDONLY (1ULL << 1)``, ``BTRFS_SUBVOL_QGROUP_INHERIT (1ULL << 2)``: the v2 args'
@@ -95,6 +99,9 @@ BTRFS_IOC_SNAP_DESTROY = _iow(BTRFS_IOCTL_MAGIC, 15, _VOL_ARGS.size)
 BTRFS_IOC_SNAP_CREATE_V2 = _iow(BTRFS_IOCTL_MAGIC, 23, _VOL_ARGS_V2.size)
 BTRFS_IOC_SUBVOL_GETFLAGS = _ior(BTRFS_IOCTL_MAGIC, 25, _U64.size)
 BTRFS_IOC_SUBVOL_SETFLAGS = _iow(BTRFS_IOCTL_MAGIC, 26, _U64.size)
+_SUBVOL_INFO = struct.Struct("=Q256s4Q16s16s16s4Q" + "QI4x" * 4 + "8Q")
+assert _SUBVOL_INFO.size == 504
+BTRFS_IOC_GET_SUBVOL_INFO = _ior(BTRFS_IOCTL_MAGIC, 60, _SUBVOL_INFO.size)
 BTRFS_IOC_GET_SUBVOL_ROOTREF = _iowr(BTRFS_IOCTL_MAGIC, 61, _ROOTREF.size)
 BTRFS_IOC_INO_LOOKUP_USER = _iowr(BTRFS_IOCTL_MAGIC, 62, _INO_LOOKUP_USER.size)
 BTRFS_IOC_SNAP_DESTROY_V2 = _iow(BTRFS_IOCTL_MAGIC, 63, _VOL_ARGS_V2.size)
@@ -208,6 +215,15 @@ def set_readonly(fd: int, ro: bool) -> None:
     wanted = flags | BTRFS_SUBVOL_RDONLY if ro else flags & ~BTRFS_SUBVOL_RDONLY
     if wanted != flags:
         set_flags(fd, wanted)
+
+
+def generation(fd: int) -> int:
+    """The transaction that last changed the subvolume open as ``fd`` (its root item's
+    generation): equal across two looks means nothing in it changed in between."""
+    buf = bytearray(_SUBVOL_INFO.size)
+    _call(fd, BTRFS_IOC_GET_SUBVOL_INFO, buf)
+    value: int = _SUBVOL_INFO.unpack(buf)[4]
+    return value
 
 
 def child_subvolumes(fd: int) -> list[tuple[str, str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import os
 import stat
@@ -32,6 +33,8 @@ from space.node.helper.confine import (
 )
 from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.storage.mountinfo import mounts
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 log = structlog.get_logger(__name__)
 
@@ -265,6 +268,28 @@ async def subvol_set_readonly(ctx: HelperContext, args: ReadonlyArgs, call: Call
 @verb("subvol.is_readonly", RelArgs, cap=30)
 async def subvol_is_readonly(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
     return {"readonly": await asyncio.to_thread(_flags, pool_root_of(ctx), args.rel, None)}
+
+
+@verb("subvol.generation", RelArgs, cap=60, audit=False)
+async def subvol_generation(ctx: HelperContext, args: RelArgs, call: Call) -> dict[str, Any]:
+    """The subvolume's generation after its file system's pending writes are committed
+    (``syncfs``): a backup compares it with the one its last link saw to skip a sandbox whose
+    files did not change."""
+    return {"generation": await asyncio.to_thread(_generation, pool_root_of(ctx), args.rel)}
+
+
+def _generation(root: Path, rel: str) -> int:
+    with PoolRoot.open(root) as pool, pool.resolve(rel) as r:
+        fd = _open_subvolume(r)
+        try:
+            if _libc.syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            return ioc.generation(fd)
+        except OSError as exc:
+            raise _os_failure(exc, "cannot read the generation of", rel) from None
+        finally:
+            os.close(fd)
 
 
 # -- tree.delete ----------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ from space.node.network import port_proxy
 from space.node.network.egress import Egress
 from space.node.network.namespaces import SandboxNet
 from space.node.sandboxes import startup
+from space.node.sandboxes.backups import Backups
 from space.node.sandboxes.guest_client import GuestConnection
-from space.node.storage import shipping, snapshots
-from space.node.storage.artifacts import read_manifest, snapshot_binding
+from space.node.storage import backup_chain, shipping, snapshots
+from space.node.storage.artifacts import Manifest, read_manifest, snapshot_binding
 from space.node.storage.pool import Pool
 from space.node.templates import objects as template_objects
 from space.node.templates.store import TemplateStore, spec_digest
@@ -83,6 +84,10 @@ class LocalSandbox:
     warm: bool = False
     #: When it was handed out from the warm pool (None: created for its owner directly).
     claimed_at: float | None = None
+    #: Frozen by this node's self-fencing (:mod:`space.node.sandboxes.fencing`): only the control
+    #: plane's ``unfence`` lets it run again (as ``fenced_from`` says), nothing else resumes it.
+    fenced: bool = False
+    fenced_from: str | None = None
 
     def public(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +128,8 @@ class SandboxManager:
         #: Sandboxes removed from here because they now run on another node: streams of theirs
         #: that end say so (``moved``) instead of reporting an error. Bounded: a hint, not a registry.
         self._departed: dict[str, str] = {}
+        #: Continuous disk backup of the sandboxes the control plane configured (run by the agent).
+        self.backups = Backups(self)
         channel_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -243,6 +250,7 @@ class SandboxManager:
         for leftover in sorted(trash.iterdir()) if trash.exists() else []:
             # Deleted sandboxes whose removal a stop cut short.
             await self.pool.delete_subvolume(leftover)
+        self.backups.recover()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -419,6 +427,7 @@ class SandboxManager:
             if len(self._departed) >= MAX_DEPARTED:
                 self._departed.pop(next(iter(self._departed)))
             self._departed[sandbox_id] = reason
+        await self.backups.stop(sandbox_id)
         async with self._lock(sandbox_id):
             sb = self._sandboxes.get(sandbox_id)
             if sb is None:
@@ -581,11 +590,46 @@ class SandboxManager:
             log.info("sandbox.paused", sandbox=sandbox_id)
             return sb
 
+    async def fence(self, sandbox_id: str) -> LocalSandbox:
+        """Freeze the sandbox because this node lost its lease: it may be restored elsewhere."""
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if sb.fenced or sb.status not in ("running", "paused"):
+                return sb
+            sb.fenced_from = sb.status
+            if sb.status == "running":
+                assert sb.instance_id
+                await self.driver.pause(sb.instance_id)
+                sb.status = "paused"
+            sb.fenced = True
+            self._save(sb)
+            log.warning("sandbox.fenced", sandbox=sandbox_id, was=sb.fenced_from)
+            return sb
+
+    async def unfence(self, sandbox_id: str) -> LocalSandbox:
+        """The control plane says this node still owns the sandbox: it goes on as it was."""
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if not sb.fenced:
+                return sb
+            if sb.fenced_from == "running" and sb.status == "paused":
+                assert sb.instance_id
+                await self.driver.resume(sb.instance_id)
+                sb.status = "running"
+            sb.fenced, sb.fenced_from = False, None
+            self._save(sb)
+            log.info("sandbox.unfenced", sandbox=sandbox_id, status=sb.status)
+            return sb
+
     async def resume(self, sandbox_id: str) -> LocalSandbox:
         async with self._lock(sandbox_id):
             sb = self.get(sandbox_id)
             if sb.status == "running":
                 return sb
+            if sb.fenced:
+                raise InvalidState(f"sandbox {sandbox_id} is fenced on this node (it lost contact with the "
+                                   "control plane): only the control plane can release it", state="fenced",
+                                   allowed=[])
             self._require(sb, "paused", "resume")
             assert sb.instance_id
             await self.driver.resume(sb.instance_id)
@@ -771,6 +815,87 @@ class SandboxManager:
             self._save(sb)
             return sb
 
+    # -- continuous backup (space.node.sandboxes.backups decides when) -------------------------
+
+    async def root_generation(self, sandbox_id: str) -> int:
+        """The generation of the sandbox's root (its pending writes committed first)."""
+        async with self._lock(sandbox_id):
+            self.get(sandbox_id)
+            return await self.pool.generation(self._dir(sandbox_id) / "rootfs")
+
+    async def backup_snapshot(self, sandbox_id: str, dest: Path) -> LocalSandbox:
+        """A read-only snapshot of the running (or paused) sandbox's root at ``dest``: no freeze,
+        the same atomic btrfs snapshot a scheduled disk snapshot is."""
+        async with self._lock(sandbox_id):
+            sb = self.get(sandbox_id)
+            if sb.status not in ("running", "paused"):
+                self._require(sb, "running", "back up")
+            await self.pool.snapshot(self._dir(sandbox_id) / "rootfs", dest, readonly=True)
+            return sb
+
+    async def ship_backup_link(self, sandbox_id: str, *, prefix: str, tenant: str, chain: str, seq: int,
+                               root: Path, parent: Path, bytes_per_s: float | None) -> Manifest:
+        """Ship one backup link (its template first, so that any node can receive the chain)."""
+        objects, keys = self._objects()
+        sb = self.get(sandbox_id)
+        published = await self.templates.publish(objects, sb.template, sb.template_digest)
+        snap = snapshots.LocalSnapshot(
+            id=backup_chain.link_id(chain, seq), sandbox_id=sandbox_id, kind="disk", created_at=snapshots.now(),
+            template=sb.template, template_digest=sb.template_digest, cpu=sb.cpu, memory_mb=sb.memory_mb,
+            env=sb.env, user=sb.user, disk_mb=sb.disk_mb)
+        meta = {"template_spec": published.spec, "template": published.ref(), "sandbox_id": sandbox_id,
+                "snapshot": snap.public()}
+        return await backup_chain.upload_link(objects, prefix, self.pool, tenant=tenant, sandbox_id=sandbox_id,
+                                              chain=chain, seq=seq, root=root, parent=parent, meta=meta,
+                                              keys=keys, bytes_per_s=bytes_per_s)
+
+    async def restore_backup(self, sandbox_id: str, *, prefix: str, chain: str, seq: int, tenant: str,
+                             token: str | None = None, disk_mb: int | None = None,
+                             on_progress: shipping.Progress | None = None) -> LocalSandbox:
+        """Bring a sandbox back on this node from its disk backup: links ``0..seq`` of ``chain``
+        received and verified, the last one its root; it boots afresh (processes restarted)."""
+        existing = self._sandboxes.get(sandbox_id)
+        if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
+            return existing
+        self._departed.pop(sandbox_id, None)
+        objects, keys = self._objects()
+        snap_id = backup_chain.link_id(chain, seq)
+        work = self._dir(sandbox_id) / "restore-chain"
+        try:
+            first = await backup_chain.read_link(objects, prefix, tenant=tenant, sandbox_id=sandbox_id, chain=chain,
+                                                 seq=0, keys=keys)
+            await self._ensure_template_of(first, what=f"backup {chain}", on_progress=on_progress)
+            root, last = await backup_chain.receive_chain(objects, prefix, self.pool, work, tenant=tenant,
+                                                          sandbox_id=sandbox_id, chain=chain, upto=seq, keys=keys,
+                                                          first=first)
+            raw = dict(last.meta.get("snapshot") or {})
+            fields = {k: v for k, v in raw.items() if k in snapshots.LocalSnapshot.__dataclass_fields__}
+            snap = snapshots.LocalSnapshot(**{**fields, "id": snap_id, "sandbox_id": sandbox_id, "kind": "disk"})
+            d = snapshots.snapshot_dir(self.pool, sandbox_id, snap_id)
+            await self.pool.delete_subvolume(d)
+            d.mkdir(parents=True)
+            await self.pool.snapshot(root, d / "rootfs", readonly=True)
+            snapshots.commit(self.pool, snap)
+            await self.pool.delete_subvolume(work)
+            await self.adopt_snapshot(sandbox_id, snap)
+            return await self.rollback(sandbox_id, snap_id, token=token, disk_mb=disk_mb)
+        except BaseException:
+            if sandbox_id not in self._sandboxes or self._sandboxes[sandbox_id].status != "running":
+                await asyncio.shield(self._forget_dir(sandbox_id))
+            raise
+
+    async def _ensure_template_of(self, manifest: Manifest, *, what: str,
+                                  on_progress: shipping.Progress | None = None, **details: Any) -> None:
+        """The template a shipped snapshot or backup sits on, on this node (from its stream)."""
+        spec = manifest.meta.get("template_spec") or {}
+        if not isinstance(spec, dict) or not spec:
+            raise SnapshotCorrupt(f"{what}: its manifest names no template", **details)
+        name, digest, stream = template_objects.parse_ref(manifest.meta.get("template"), where=f"{what}'s manifest")
+        if (name, digest) != (spec.get("name"), spec_digest(spec)):
+            raise SnapshotCorrupt(f"{what}: its manifest's template {name}@{digest[:16]} is not "
+                                  "the one its spec describes", **details)
+        await self.templates.ensure(spec, on_progress=on_progress, stream=stream)
+
     # -- suspend / restore through object storage --------------------------------------------
 
     def _objects(self) -> tuple[ObjectStore, ManifestKeys]:
@@ -813,15 +938,8 @@ class SandboxManager:
         objects, keys = self._objects()
         binding = snapshot_binding(tenant=tenant, sandbox_id=owner or sandbox_id, snapshot_id=snap_id, prefix=prefix)
         manifest = await read_manifest(objects, prefix, keys=keys, binding=binding)
-        spec = manifest.meta.get("template_spec") or {}
-        if not isinstance(spec, dict) or not spec:
-            raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest names no template", snapshot_id=snap_id)
-        name, digest, stream = template_objects.parse_ref(manifest.meta.get("template"),
-                                                          where=f"snapshot {snap_id}'s manifest")
-        if (name, digest) != (spec.get("name"), spec_digest(spec)):
-            raise SnapshotCorrupt(f"snapshot {snap_id}: its manifest's template {name}@{digest[:16]} is not "
-                                  "the one its spec describes", snapshot_id=snap_id)
-        await self.templates.ensure(spec, on_progress=on_progress, stream=stream)
+        await self._ensure_template_of(manifest, what=f"snapshot {snap_id}", on_progress=on_progress,
+                                       snapshot_id=snap_id)
         return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress,
                                        keys=keys, binding=binding, manifest=manifest)
 
@@ -847,6 +965,7 @@ class SandboxManager:
             raise
 
     async def _forget_dir(self, sandbox_id: str) -> None:
+        await self.backups.stop(sandbox_id)
         sb = self._sandboxes.pop(sandbox_id, None)
         if sb is not None and sb.instance_id:
             await self.driver.stop(sb.instance_id, self._workdir(sb))

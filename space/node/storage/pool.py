@@ -370,6 +370,12 @@ class Pool:
         res = await self.priv.call("subvol.is_readonly", {"rel": self._rel(path)})
         return bool(res["readonly"])
 
+    async def generation(self, path: Path) -> int:
+        """The subvolume's generation once pending writes are committed: unchanged between two
+        calls means its files did not change."""
+        res = await self.priv.call("subvol.generation", {"rel": self._rel(path)})
+        return int(res["generation"])
+
     async def is_subvolume(self, path: Path) -> bool:
         # Needs no privilege (lstat); the verbs re-check by fd wherever it matters.
         path = self._inside(path)
