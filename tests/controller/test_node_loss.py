@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 from space.controller import Controller, NodeRegistry
 from space.controller.node_loss import LOST_MARGIN
+from space.errors import NotFound
 from space.lifecycle import State
 from space.objstore import ObjectStore
 from space.store import Store, new_snapshot
@@ -226,10 +227,10 @@ async def test_with_nothing_shipped_the_sandbox_fails_saying_so(
     try:
         await ctl.check_nodes()
         await ctl.node_loss.relocate_all(await store.get_node("node-a"))
-        recover = [o for o in await store.find_operations(status=["pending"]) if o.kind == "sandbox.recover"][0]
-        with pytest.raises(Exception) as info:
+        recover = next(o for o in await store.find_operations(status=["pending"]) if o.kind == "sandbox.recover")
+        with pytest.raises(NotFound) as info:
             await ctl._recover(recover)
-        await ctl._recover_failed(recover, info.value)  # type: ignore[arg-type]
+        await ctl._recover_failed(recover, info.value)
         sb = await store.get_sandbox(sid)
         assert sb.state == State.FAILED and "nothing of it was shipped" in (sb.error_message or "")
     finally:
