@@ -7,7 +7,7 @@ LISTEN ?= 127.0.0.1:8080
 PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 
-.PHONY: setup system python gateway access run test lint typecheck check bench clean-dev
+.PHONY: setup system python gateway access run test lint typecheck check bench chaos clean-dev
 
 setup: system python gateway access  ## install system packages and the Python environments (idempotent)
 
@@ -52,3 +52,6 @@ typecheck:
 
 bench: setup  ## benchmarks: prints a table, saves bench/results/<date>.json and .md
 	$(PY) bench/run
+
+chaos: setup  ## 30 minutes of killed, frozen and drained nodes, controllers and replicas; report in bench/results/<date>-chaos.md
+	$(PY) bench/chaos.py --minutes $(or $(CHAOS_MINUTES),30)

@@ -187,10 +187,14 @@ class NodeLoss:
         if back == State.PAUSED:  # restoring → running → paused: it was paused, it stays paused
             sb = await self.store.set_sandbox_state(sb.id, State.PAUSED, expect=[State.RUNNING])
         seconds = round(time.monotonic() - t0, 2)
+        as_of = full.created_at if use_memory and full is not None else disk_at
         await self.lifecycle.event(sb, "relocated", f"its node {lost} was lost; {how}; now on node {node.node_id}",
                                    node=node.node_id, lost_node=lost, memory=use_memory,
                                    snapshot=full.id if use_memory and full else None,
-                                   chain=None if use_memory else rec.get("chain"), restore_s=seconds)
+                                   chain=None if use_memory else rec.get("chain"), restore_s=seconds,
+                                   # What it came back as of: writes after this moment were lost.
+                                   restored_as_of=as_of.isoformat() if as_of is not None else None,
+                                   lost_at=lost_at.isoformat())
         return {"sandbox_id": sb.id, "node_id": node.node_id, "memory": use_memory, "restore_s": seconds}
 
     async def relocate_failed(self, op: Operation, exc: SpaceError) -> None:

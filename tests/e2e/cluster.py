@@ -117,6 +117,8 @@ class Cluster:
     api_ports: list[int] = dataclasses.field(default_factory=list)
     controllers: list[Proc] = dataclasses.field(default_factory=list)
     nodes: list[ClusterNode] = dataclasses.field(default_factory=list)
+    #: Extra environment of every node agent (e.g. ``SPACE_FENCE_AFTER``).
+    node_env: dict[str, str] = dataclasses.field(default_factory=dict)
     #: While it exists, the controllers' failpoint controller.create.after_node is disarmed;
     #: removed, the first controller to get there stalls (SPACE_FAILPOINTS sleep-once).
     stall_marker: Path = dataclasses.field(init=False)
@@ -222,7 +224,7 @@ class Cluster:
             "--manifest-key-file", str(self.keys_dir / "manifest.key"),
             "--node-id", node_id, "--cache-dir", str(cache), "--pool-size-gb", "16",
             "--object-store-url", self.object_store_url,
-        ], self.work / f"{node_id}.log", dict(S3_CREDENTIALS))
+        ], self.work / f"{node_id}.log", {**S3_CREDENTIALS, **self.node_env})
         proc.start()
         node = ClusterNode(proc, node_id, port, data, cache, scratch)
         self.nodes.append(node)
@@ -277,14 +279,14 @@ def moto_bucket() -> Iterator[str]:
 
 @contextlib.contextmanager
 def cluster(work: Path, database_url: str, *, apis: int = 2, controllers: int = 2,
-            nodes: int = 3) -> Iterator[Cluster]:
+            nodes: int = 3, node_env: dict[str, str] | None = None) -> Iterator[Cluster]:
     """The topology, started in dependency order: keys, API replicas (they migrate the database
     and seed the first admin key), controllers, then node agents joining through the replicas."""
     keys_dir = work / "keys"
     subprocess.run([SPACE, "keys", "generate", str(keys_dir)], check=True, capture_output=True, timeout=60)
     with moto_bucket() as objects:
         c = Cluster(work=work, keys_dir=keys_dir, database_url=database_url, object_store_url=objects,
-                    admin_key="sk_" + secrets.token_urlsafe(30))
+                    admin_key="sk_" + secrets.token_urlsafe(30), node_env=dict(node_env or {}))
         try:
             for _ in range(apis):
                 c.start_api()
