@@ -54,7 +54,7 @@ from tests.e2e.cluster import Cluster, ClusterNode, cluster  # noqa: E402
 from tests.e2e.harness import create_sandbox, run  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
-LEASE = 8
+LEASE = 15
 BACKUP_EVERY = 2
 FAULTS = ("node_kill", "node_stop", "controller_kill", "api_kill", "drain")
 
@@ -94,6 +94,7 @@ class Chaos:
         self.ops = Counter[str]()
         self.faults: list[dict[str, Any]] = []
         self.rpo: list[float] = []
+        self.refusals: dict[str, str] = {}
 
     def api(self, timeout: float = 30) -> httpx.Client:
         return self.cl.client(self.rng.randrange(len(self.cl.apis)), timeout=timeout)
@@ -102,6 +103,8 @@ class Chaos:
 
     def setup(self) -> None:
         with self.cl.client(0, timeout=600) as api:
+            wait_for(lambda: api.get("/v1/templates/base").json().get("status") == "ready", 1800,
+                     "the base template", interval=1)
             for _ in range(self.n):
                 sid = create_sandbox(api, memory_mb=256,
                                      snapshot_policy={"backup_every": BACKUP_EVERY, "disk_every": None})
@@ -124,6 +127,8 @@ class Chaos:
                         self.ops["write"] += 1
                     else:
                         self.ops[f"write_{r.status_code}"] += 1
+                        with self.lock:  # what a refusal said, once per kind (the report shows it)
+                            self.refusals.setdefault(str(r.status_code), r.text[:300])
                     if seq % 5 == 0:
                         code, _, _ = run(api, sid, {"shell": "ls /home/user/w | wc -l"})
                         self.ops["exec" if code == 0 else "exec_failed"] += 1
@@ -301,6 +306,7 @@ class Chaos:
         twice = sorted(s for s in self.sids if copies[s] != 1)
         return {
             "seconds": round(seconds), "sandboxes": len(self.sids), "ops": dict(self.ops),
+            "refusals": self.refusals,
             "writes_acknowledged": sum(len(v) for v in self.acked.values()),
             "faults": self.faults,
             "faults_by_kind": dict(Counter(f["kind"] for f in self.faults if "skipped" not in f)),

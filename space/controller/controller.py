@@ -42,7 +42,7 @@ from space.errors import (
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
-from space.store import Operation, Store
+from space.store import Node, Operation, Store
 from space.store.models import AuditRecord
 from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeups
 
@@ -463,43 +463,52 @@ class Controller:
     # -- reconciliation ---------------------------------------------------------------------
 
     async def check_nodes(self, down_after: float = 15.0) -> None:
-        """Heartbeat every registered node: a node silent for ``down_after`` seconds is ``down``
-        (not scheduled onto), and ``ready`` again when it answers."""
+        """Heartbeat every registered node, all at once (a node that does not answer must not hold
+        back the others' heartbeats, which renew their fencing leases): a node silent for
+        ``down_after`` seconds is ``unreachable`` (not scheduled onto), past its lease ``lost``
+        (:mod:`space.controller.node_loss`), and ``ready`` again when it answers."""
         now = time.time()
         pools = await self.warm_targets()
-        for row in await self.store.list_nodes(None):
-            wanted = [] if row.cordoned else pools  # a cordoned node lets its warm sandboxes go
-            try:
-                node = await self.nodes.client(row.id)
-                beat = self.node_loss.heartbeats.params(row.id)
-                info = await node.call("GET", "/v1/node", params=beat, timeout=5)
-                self.node_loss.heartbeats.answered(row.id, beat["hb"])
-                if _pool_sizes(info.get("warm") or []) != _pool_sizes(wanted):
-                    # The node's warm pools converge on the database's (a new node, a restart,
-                    # a change this node missed).
-                    info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": wanted},
-                                                    timeout=5))["pools"]
-            except SpaceError as exc:
-                if row.state == "joining":  # why a node stays joining (its TLS, its address)
-                    log.warning("node.unreachable", node=row.id, state=row.state, error=exc.message[:300])
-                if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
-                    log.warning("node.unreachable", node=row.id, silent_s=round(now - row.heartbeat_at.timestamp(), 1))
-                    await self.store.set_node_state(row.id, "unreachable")
-                await self.node_loss.silent(row, now)
-                continue
-            if row.state != "ready":
-                log.info("node.up", node=row.id)
-            await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
-            await self.node_loss.release_or_discard(row, node, info)
-            try:
-                await self.backups.sync(row.id, node, info)
-            except SpaceError as exc:  # the next heartbeat tries again
-                log.warning("backup.sync_failed", node=row.id, error=str(exc))
-            try:
-                await self._sync_egress(row.id, node, info)
-            except SpaceError as exc:  # the next heartbeat tries again
-                log.warning("egress.sync_failed", node=row.id, error=str(exc))
+        rows = await self.store.list_nodes(None)
+        results = await asyncio.gather(*(self._check_node(row, pools, now, down_after) for row in rows),
+                                       return_exceptions=True)
+        for row, result in zip(rows, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                log.error("node.check_failed", node=row.id, error=repr(result)[:300])
         self.nodes.invalidate_rows()
+
+    async def _check_node(self, row: Node, pools: list[dict[str, Any]], now: float, down_after: float) -> None:
+        wanted = [] if row.cordoned else pools  # a cordoned node lets its warm sandboxes go
+        try:
+            node = await self.nodes.client(row.id)
+            beat = self.node_loss.heartbeats.params(row.id)
+            info = await node.call("GET", "/v1/node", params=beat, timeout=5)
+            self.node_loss.heartbeats.answered(row.id, beat["hb"])
+            if _pool_sizes(info.get("warm") or []) != _pool_sizes(wanted):
+                # The node's warm pools converge on the database's (a new node, a restart,
+                # a change this node missed).
+                info["warm"] = (await node.call("PUT", "/v1/pool", json_body={"targets": wanted},
+                                                timeout=5))["pools"]
+        except SpaceError as exc:
+            if row.state == "joining":  # why a node stays joining (its TLS, its address)
+                log.warning("node.unreachable", node=row.id, state=row.state, error=exc.message[:300])
+            if row.state == "ready" and now - row.heartbeat_at.timestamp() > down_after:
+                log.warning("node.unreachable", node=row.id, silent_s=round(now - row.heartbeat_at.timestamp(), 1))
+                await self.store.set_node_state(row.id, "unreachable")
+            await self.node_loss.silent(row, now)
+            return
+        if row.state != "ready":
+            log.info("node.up", node=row.id)
+        await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+        await self.node_loss.release_or_discard(row, node, info)
+        try:
+            await self.backups.sync(row.id, node, info)
+        except SpaceError as exc:  # the next heartbeat tries again
+            log.warning("backup.sync_failed", node=row.id, error=str(exc))
+        try:
+            await self._sync_egress(row.id, node, info)
+        except SpaceError as exc:  # the next heartbeat tries again
+            log.warning("egress.sync_failed", node=row.id, error=str(exc))
 
     async def _sync_egress(self, node_id: str, node: NodeClient, info: dict[str, Any]) -> None:
         """Give the node's gateway back the secrets its agent lost in a restart, and move the
@@ -544,7 +553,7 @@ class Controller:
         for node_row in await self.store.list_nodes("ready"):
             try:
                 node = await self.nodes.client(node_row.id)
-                live = (await node.call("GET", "/v1/sandboxes"))["sandboxes"]
+                live = (await node.call("GET", "/v1/sandboxes", timeout=5))["sandboxes"]
             except SpaceError as exc:
                 log.warning("reconcile.node_unreachable", node=node_row.id, error=str(exc))
                 continue

@@ -98,9 +98,9 @@ class NodeLoss:
             except NotFound:
                 sb = None
             try:
-                if sb is not None and sb.node_id == row.id and sb.state in (State.RUNNING, State.PAUSED):
+                if _still_its_own(sb, row):
                     await node.call("POST", f"/v1/sandboxes/{sid}/unfence", timeout=30)
-                    log.info("node.sandbox_released", node=row.id, sandbox=sid)
+                    log.info("node.sandbox_released", node=row.id, sandbox=sid, state=str(sb.state) if sb else None)
                 else:
                     with contextlib.suppress(NotFound):
                         await node.call("DELETE", f"/v1/sandboxes/{sid}", params={"reason": "moved"}, timeout=LONG)
@@ -211,6 +211,15 @@ class NodeLoss:
         snaps = await self.store.list_snapshots(sandbox_id=sb.id, statuses=["ready"])
         uploaded = [s for s in snaps if s.kind == "full" and s.object_key is not None and s.restorable]
         return max(uploaded, key=lambda s: (s.created_at, s.id)) if uploaded else None
+
+
+def _still_its_own(sb: Sandbox | None, node: Node) -> bool:
+    """Whether a sandbox ``node`` froze is still that node's to run: placed there and not being
+    restored elsewhere because the node was lost. Anything else placed there (running, paused, a
+    move or a suspend under way) is released: only a copy the control plane replaced is discarded."""
+    if sb is None or sb.node_id != node.id or sb.state in (State.TERMINATED, State.FAILED):
+        return False
+    return not (node.state == "lost" and sb.state == State.RESTORING)
 
 
 def _age(at: dt.datetime, lost_at: dt.datetime) -> str:

@@ -241,15 +241,35 @@ async def test_a_returning_node_keeps_what_is_still_its_own_and_discards_the_res
         store: Store, nodes: tuple[FakeNode, FakeNode, list[Any]]) -> None:
     a, _, log = nodes
     own = await _running_on(store, "node-a")
+    moving = await _running_on(store, "node-a")  # a drain's move of it under way: still its own
+    await store.set_sandbox_state(moving, State.MOVING, expect=[State.RUNNING])
     moved = await _running_on(store, "node-b")
-    a.info["fence"] = {"lease": LEASE, "fenced": [own, moved, "sb-gone"]}
+    a.info["fence"] = {"lease": LEASE, "fenced": [own, moving, moved, "sb-gone"]}
     ctl, registry = await _controller(store)
     try:
         await ctl.check_nodes()
-        assert (f"sandboxes/{own}/unfence", {}) in _calls(log, "node-a", "POST")
+        posts = _calls(log, "node-a", "POST")
+        assert (f"sandboxes/{own}/unfence", {}) in posts and (f"sandboxes/{moving}/unfence", {}) in posts
         deletes = [(p, q.get("reason")) for p, q in _calls(log, "node-a", "DELETE")]
         assert sorted(deletes) == sorted([(f"sandboxes/{moved}", "moved"), ("sandboxes/sb-gone", "moved")])
-        assert (f"sandboxes/{own}", "moved") not in deletes
+    finally:
+        await registry.aclose()
+
+
+async def test_a_lost_node_that_returns_discards_what_is_being_restored_elsewhere(
+        store: Store, nodes: tuple[FakeNode, FakeNode, list[Any]]) -> None:
+    a, _, log = nodes
+    sid = await _running_on(store, "node-a")
+    ctl, registry = await _controller(store)
+    try:
+        await ctl.check_nodes()
+        await store.set_node_state("node-a", "lost")
+        await ctl.node_loss.relocate_all(await store.get_node("node-a"))
+        assert (await store.get_sandbox(sid)).state == State.RESTORING  # not yet placed anew
+        a.info["fence"] = {"lease": LEASE, "fenced": [sid]}
+        await ctl.check_nodes()
+        assert [(p, q.get("reason")) for p, q in _calls(log, "node-a", "DELETE")] == [(f"sandboxes/{sid}", "moved")]
+        assert (f"sandboxes/{sid}/unfence", {}) not in _calls(log, "node-a", "POST")
     finally:
         await registry.aclose()
 
