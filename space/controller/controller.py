@@ -190,13 +190,32 @@ class Controller:
         """The singletons, run by the leader only (cancelled the moment it stops leading):
         reconcile with the nodes (heartbeats, egress sync and audit drain included) and the
         lifecycle policies (idle, lifetime, snapshot schedules, retention)."""
+        # Heartbeats on their own clock: they renew the nodes' fencing leases, so a slow
+        # reconcile or policy tick must not hold them back.
+        heartbeats = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self._lead_loop()
+        finally:
+            heartbeats.cancel()
+            await asyncio.gather(heartbeats, return_exceptions=True)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.check_nodes()
+            except SpaceError as exc:
+                log.warning("controller.heartbeats_failed", error=str(exc))
+            await asyncio.sleep(max(0.05, started + self.reconcile_every - time.monotonic()))
+
+    async def _lead_loop(self) -> None:
         last_reconcile = last_policy = -float("inf")
         while True:
             now = time.monotonic()
             if now - last_reconcile >= self.reconcile_every:
                 last_reconcile = now
                 try:
-                    await self.reconcile()
+                    await self.reconcile(heartbeats=False)
                 except SpaceError as exc:
                     log.warning("controller.reconcile_failed", error=str(exc))
             if now - last_policy >= self.policy_every:
@@ -547,9 +566,11 @@ class Controller:
                 log.warning("warm.push_failed", node=node.node_id, error=str(exc))
         self.nodes.invalidate_rows()
 
-    async def reconcile(self) -> None:
-        """Converge nodes with the database: remove what nobody wants, flag what died."""
-        await self.check_nodes()
+    async def reconcile(self, *, heartbeats: bool = True) -> None:
+        """Converge nodes with the database: remove what nobody wants, flag what died
+        (``heartbeats``: heartbeat every node first; the leader runs those on their own clock)."""
+        if heartbeats:
+            await self.check_nodes()
         for node_row in await self.store.list_nodes("ready"):
             try:
                 node = await self.nodes.client(node_row.id)
