@@ -17,7 +17,7 @@ costs the guest. The row's ``backup`` is read every 2 s (``rpo_s``, ``links``); 
 report gives the bytes shipped. Targets: backup traffic ≤ 2x the bytes the guest changed; disk RPO
 ≤ 60 s under the default interval.
 
-    sudo .venv/bin/python bench/backup.py [--every 60] [--minutes 3]
+    sudo .venv/bin/python bench/backup.py [--every 45] [--minutes 3]
 
 Prints a markdown table and saves bench/results/<date>-backup.json and .md.
 """
@@ -56,7 +56,7 @@ while True:
 """
 
 PHASES = {
-    "install": "cp -a /usr/lib/python3* /home/user/site-$(date +%s) && sync",
+    "install": "d=/home/user/site-$(date +%s%N) && mkdir -p $d && cp -a /usr/lib/python3* $d/ && sync",
     "clone": ("mkdir -p /home/user/repo && cd /home/user/repo && for i in $(seq 400); do "
               "head -c 8192 /dev/urandom > f$i; done && tar cf pack.tar f* && head -c 16M /dev/urandom >> pack.tar "
               "&& sync"),
@@ -91,7 +91,7 @@ def gaps(api: httpx.Client, sid: str, cid: str) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--every", type=float, default=60.0)
+    ap.add_argument("--every", type=float, default=45.0)
     ap.add_argument("--minutes", type=int, default=3)
     args = ap.parse_args()
     phases = list(PHASES)[: args.minutes] if args.minutes <= len(PHASES) else list(PHASES)
@@ -143,7 +143,7 @@ def main() -> int:
             sampler.join(timeout=10)
             changed = home_bytes(api, backed) - before[backed]
             row = api.get(f"/v1/sandboxes/{backed}").json()
-            shipped = int((row.get("backup") or {}).get("bytes") or 0)
+            shipped = int((row.get("backup") or {}).get("bytes_shipped") or 0)
             code, out, _ = run(api, backed, {"shell": "du -sxb / 2>/dev/null | cut -f1"})
             root = int(out.strip() or 0)
             g_backed, g_base = gaps(api, backed, cids[backed]), gaps(api, base, cids[base])

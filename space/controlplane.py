@@ -68,7 +68,7 @@ class ControlPlaneSettings:
     bootstrap_templates: tuple[str, ...] = ("base",)
     lease_seconds: float = 10.0
     #: Seconds between continuous-backup looks for sandboxes whose policy does not say (None: off).
-    backup_every: float | None = 60.0
+    backup_every: float | None = 45.0
 
 
 @dataclasses.dataclass

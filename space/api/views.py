@@ -63,7 +63,7 @@ def backup(sb: Sandbox, now: datetime | None = None) -> dict[str, Any] | None:
     return {"disk_at": _ts(disk_at), "memory_at": _ts(memory_at),
             "rpo_s": round(max(0.0, (now - newest).total_seconds()), 1),
             "chain": rec.get("chain"), "links": int(rec.get("seq", -1)) + 1 if rec.get("chain") else 0,
-            "error": rec.get("error")}
+            "bytes_shipped": rec.get("bytes"), "error": rec.get("error")}
 
 
 def snapshot(s: Snapshot) -> dict[str, Any]:

@@ -377,7 +377,7 @@ def controller(
     backup_every: Annotated[float, typer.Option(
         "--backup-every", min=0.0, envvar="SPACE_BACKUP_EVERY",
         help="Seconds between the continuous disk backup's looks at each sandbox whose snapshot policy "
-             "names no backup_every (0: such sandboxes are not backed up).")] = 60.0,
+             "names no backup_every (0: such sandboxes are not backed up).")] = 45.0,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one controller (run several: they share the work, one leads)."""
