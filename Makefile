@@ -7,7 +7,7 @@ LISTEN ?= 127.0.0.1:8080
 PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 
-.PHONY: setup system python gateway access run test lint typecheck check bench chaos clean-dev
+.PHONY: setup system python gateway access run test lint typecheck check bench chaos chaos-short clean-dev
 
 setup: system python gateway access  ## install system packages and the Python environments (idempotent)
 
@@ -39,8 +39,11 @@ access: python gateway  ## the service users (`space`: the API; `space-node`: th
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)
 
-test: setup lint typecheck  ## the whole test suite, with real sandboxes
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+test: setup lint typecheck  ## the whole test suite, with real sandboxes (the chaos run apart: `make chaos-short`)
+	$(VENV)/bin/pytest -m "not chaos" $(PYTEST_ARGS)
+
+chaos-short: setup  ## the 5-minute chaos run (tests/e2e/test_chaos.py)
+	$(VENV)/bin/pytest -m chaos $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check space tests bench scripts

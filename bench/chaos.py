@@ -111,7 +111,11 @@ class Chaos:
                 self.sids.append(sid)
                 self.acked[sid] = []
                 run(api, sid, {"shell": "mkdir -p /home/user/w"})
-        log(f"{self.n} sandboxes made")
+            # Faults start once every sandbox has something durable: a node lost before its
+            # sandbox's first backup link loses that sandbox, rightly (there is nothing to restore).
+            wait_for(lambda: all((api.get(f"/v1/sandboxes/{sid}").json().get("backup") or {}).get("disk_at")
+                                 for sid in self.sids), 300, "every sandbox's first backup", interval=1)
+        log(f"{self.n} sandboxes made and backed up")
 
     def worker(self, sid: str) -> None:
         seq = 0
@@ -165,8 +169,10 @@ class Chaos:
             last.update(nodes={k: v["state"] for k, v in rows.items()},
                         sandboxes={sid: (sbs.get(sid, {}).get("state"), sbs.get(sid, {}).get("node_id"))
                                    for sid in self.sids})
-            return all(sbs.get(sid, {}).get("state") == "running"
-                       and rows.get(sbs[sid]["node_id"], {}).get("state") == "ready" for sid in self.sids)
+            # A failed sandbox is settled too (the verdict counts it as lost): waiting would not help.
+            return all(sbs.get(sid, {}).get("state") == "failed" or (
+                sbs.get(sid, {}).get("state") == "running"
+                and rows.get(sbs[sid]["node_id"], {}).get("state") == "ready") for sid in self.sids)
         try:
             wait_for(settled, timeout, "every sandbox to run on a ready node", interval=1)
         except AssertionError:
@@ -282,9 +288,13 @@ class Chaos:
         missing: dict[str, list[int]] = {}
         moved = relocated = 0
         back_after: list[float] = []  # a lost node's last heartbeat → its sandbox running elsewhere
+        failed: dict[str, str] = {}
         with self.cl.client(0, timeout=120) as api:
             for sid in self.sids:
                 sb = api.get(f"/v1/sandboxes/{sid}").json()
+                if sb["state"] != "running":
+                    failed[sid] = str((sb.get("error") or {}).get("message") or sb["state"])
+                    continue
                 assert where.get(sid) == sb["node_id"], (sid, where.get(sid), sb["node_id"])
                 events = api.get(f"/v1/sandboxes/{sid}/events").json()["events"]
                 moved += sum(e["kind"] == "moved" for e in events)
@@ -303,7 +313,7 @@ class Chaos:
                     lost_window = any(at < lost_at + 60 and at >= as_of - 0.5 for lost_at, as_of in relocations)
                     if seq not in present and not lost_window:
                         missing.setdefault(sid, []).append(seq)
-        twice = sorted(s for s in self.sids if copies[s] != 1)
+        twice = sorted(s for s in self.sids if copies[s] != 1 and s not in failed)
         return {
             "seconds": round(seconds), "sandboxes": len(self.sids), "ops": dict(self.ops),
             "refusals": self.refusals,
@@ -315,8 +325,8 @@ class Chaos:
                                   "max": max(back_after, default=None)},
             "rpo_s": {"max": max(self.rpo, default=0.0), "p99": pct(self.rpo, 0.99) if self.rpo else 0.0,
                       "n": len(self.rpo)},
-            "not_exactly_once": twice, "missing_writes": missing,
-            "lost": len(twice) + sum(len(v) for v in missing.values()),
+            "not_exactly_once": twice, "missing_writes": missing, "failed": failed,
+            "lost": len(twice) + len(failed) + sum(len(v) for v in missing.values()),
         }
 
 
@@ -339,7 +349,7 @@ def render(r: dict[str, Any]) -> str:
         f"| a lost node's last heartbeat → its sandbox running elsewhere, p50 / max (s), lease {LEASE} s | "
         f"{_num(r['relocated_after_s']['p50'])} / {_num(r['relocated_after_s']['max'])} |",
         f"| RPO seen on the rows, max / p99 (s) | {r['rpo_s']['max']:.1f} / {r['rpo_s']['p99']:.1f} |",
-        f"| sandboxes not exactly once | {len(r['not_exactly_once'])} |",
+        f"| sandboxes not exactly once / failed | {len(r['not_exactly_once'])} / {len(r.get('failed') or {})} |",
         f"| acknowledged writes missing that a backup covered | {sum(len(v) for v in r['missing_writes'].values())} |",
         f"| **lost** | **{r['lost']}** |",
     ]) + "\n"

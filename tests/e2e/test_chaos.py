@@ -15,7 +15,7 @@ import pytest
 from bench.chaos import LEASE, Chaos, render
 from tests.e2e.cluster import Cluster, cluster
 
-pytestmark = [pytest.mark.runtime, pytest.mark.postgres]
+pytestmark = [pytest.mark.runtime, pytest.mark.postgres, pytest.mark.chaos]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def test_five_minutes_of_chaos_lose_nothing(deployment: Cluster, tmp_path: Path)
     print(render(res))
     (tmp_path / "chaos.json").write_text(json.dumps(res, indent=2))
     assert res["faults_by_kind"], res["faults"]
+    assert res["failed"] == {}, res
     assert res["not_exactly_once"] == [], res
     assert res["missing_writes"] == {}, res
     assert res["writes_acknowledged"] > 0
