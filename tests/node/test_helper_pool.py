@@ -264,6 +264,7 @@ async def test_invalid_rels_are_refused(priv: InProcess, btrfs_pool: Pool, rel: 
         ("subvol.snapshot", {"src": rel, "dst": "tmp/hv-none"}),
         ("subvol.set_readonly", {"rel": rel, "ro": True}),
         ("subvol.is_readonly", {"rel": rel}),
+        ("subvol.generation", {"rel": rel}),
         ("subvol.du", {"rel": rel}),
         ("tree.delete", {"rel": rel}),
     ]
@@ -302,6 +303,8 @@ async def test_a_planted_symlink_is_never_followed(
         ("subvol.snapshot", {"src": "tmp/hv-link-in", "dst": "tmp/hv-link-out"}),
         ("subvol.set_readonly", {"rel": "tmp/hv-link-in", "ro": True}),
         ("subvol.is_readonly", {"rel": "tmp/hv-link-in"}),
+        ("subvol.generation", {"rel": "tmp/hv-link-in"}),
+        ("subvol.generation", {"rel": "sandboxes/hv-link/sub"}),
         ("subvol.du", {"rel": "sandboxes/hv-link/sub"}),
         ("tree.delete", {"rel": "sandboxes/hv-link/keep"}),
         ("tree.delete", {"rel": "sandboxes/hv-link/sub"}),

@@ -12,7 +12,6 @@ is exercised by the cluster's node-loss scenario.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from space.node.sandboxes.fencing import Fence
+from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -92,7 +92,4 @@ async def test_a_restarted_agent_keeps_the_lease_it_had(tmp_path: Path) -> None:
 
 
 async def until_expired(f: Fence) -> None:
-    deadline = time.monotonic() + 5
-    while not f.expired():
-        assert time.monotonic() < deadline, "the lease never ran out"
-        await asyncio.sleep(0.005)
+    await until(f.expired, 5, "the lease to run out")
