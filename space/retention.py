@@ -95,6 +95,20 @@ def parse_duration(value: Any, name: str) -> float:
     return seconds
 
 
+def parse_backup_every(value: Any, name: str = "every") -> float | None:
+    """A backup interval set for a tenant: seconds (at least :data:`MIN_BACKUP_EVERY`), ``0`` or
+    ``"off"`` for no backup (0.0), ``None`` or ``"default"`` for the deployment's default (None)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "default"):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return 0.0
+    seconds = parse_duration(value, name)
+    if 0 < seconds < MIN_BACKUP_EVERY:
+        raise InvalidRequest(f"{name} must be at least {_num(MIN_BACKUP_EVERY)}s, 0 or 'off' (no backup), or null or "
+                             f"'default' (the deployment's), got {_num(seconds)}", field=name)
+    return seconds
+
+
 def _parse_duration_str(text: str, name: str) -> float:
     if _PLAIN_NUMBER.fullmatch(text):
         return float(text)

@@ -1,11 +1,11 @@
-"""/v1/quota, /v1/quota/defaults and /v1/tenants/{tenant}/{quota,egress,egress-ceiling}: a tenant's
-limits, usage, egress default and egress ceiling, and the default limits of every tenant whose own
-were never set.
+"""/v1/quota, /v1/quota/defaults and /v1/tenants/{tenant}/{quota,egress,egress-ceiling,backup}: a
+tenant's limits, usage, egress default, egress ceiling and continuous-backup interval, and the
+default limits of every tenant whose own were never set.
 
 Who may do what (see docs/api.md, "Tenants, quotas and audit"): any key reads its own tenant's
 quota, egress default and ceiling, and the defaults; only the operator (an admin key of the operator
 tenant) sets quotas, defaults and ceilings or reads another tenant's; the egress default is set by
-the operator or the tenant's own admin, inside the tenant's ceiling.
+the operator or the tenant's own admin, inside the tenant's ceiling; so is the backup interval.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import structlog
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from space import egress_policy
+from space import egress_policy, retention
 from space.api.auth import Principal, principal
 from space.api.egress import ON_NODE, ceiling_for, checked_policy, push
 from space.api.fields import Int64, Number
@@ -183,3 +183,32 @@ async def put_ceiling(tenant: Tenant, body: CeilingBody, who: Auth, st: St) -> d
     forget_tenant_default(tenant)
     await push_tenant(st, tenant)
     return ceiling_view(st, tenant, row)
+
+
+class BackupBody(BaseModel):
+    """The tenant's continuous-backup interval for its sandboxes whose own policy does not say:
+    seconds or a duration (``"45s"``, ``"2m"``; at least 1 s), ``0`` or ``"off"`` for no backup,
+    ``null`` or ``"default"`` for the deployment's default."""
+
+    model_config = ConfigDict(extra="forbid")
+    every: Number | Annotated[str, Field(max_length=32)] | None
+
+
+def backup_view(tenant: str, row: TenantQuota | None) -> dict[str, Any]:
+    own = row.backup_every if row is not None else None
+    return {"tenant": tenant, "every": own, "source": "default" if own is None else "tenant"}
+
+
+@router.get("/tenants/{tenant}/backup")
+async def get_backup(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
+    _require_read(who, tenant)
+    return backup_view(tenant, await st.store.get_quota(tenant))
+
+
+@router.put("/tenants/{tenant}/backup")
+async def put_backup(tenant: Tenant, body: BackupBody, who: Auth, st: St) -> dict[str, Any]:
+    """Set the tenant's backup interval; its nodes are told at their next heartbeat (a running
+    sandbox's backup starts, retunes or stops within seconds)."""
+    who.require_manage(tenant)
+    row = await st.store.set_tenant_backup(tenant, retention.parse_backup_every(body.every))
+    return backup_view(tenant, row)

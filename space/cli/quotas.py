@@ -89,3 +89,28 @@ def set_(
         output.print_json(quota)
     else:
         _show(quota)
+
+
+def _every_text(view: dict[str, Any]) -> str:
+    every = view.get("every")
+    if every is None:
+        return "the deployment's default"
+    return "off" if every == 0 else f"every {every:g} s"
+
+
+@app.command("backup")
+def backup(
+    ctx: typer.Context,
+    tenant: str,
+    every: Annotated[str | None, typer.Option(
+        "--every", help="Set it: a duration ('45s', '2m'), 'off', or 'default' (the deployment's).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show (or with --every set) how often TENANT's sandboxes are backed up to object storage; a
+    sandbox's own policy (snapshot_policy.backup_every) still wins."""
+    with client(ctx) as c:
+        view = c.quotas.get_backup(tenant) if every is None else c.quotas.set_backup(tenant, every)
+    if as_json:
+        output.print_json(view)
+    else:
+        output.info(f"tenant {view.get('tenant')}: backup {_every_text(view)}")

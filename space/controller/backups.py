@@ -2,8 +2,9 @@
 record what the node reports as durable, and drop chains a newer one replaced.
 
 The node does the work (:mod:`space.node.sandboxes.backups`); the leader, on every heartbeat of a
-node, makes the node's configured set match the rows (a sandbox running there whose policy backs it
-up, and not configured there yet, is configured; a change of interval is pushed), and stores each
+node, makes the node's configured set match the rows (a sandbox running there whose interval says it
+is backed up, and not configured there yet, is configured; a change of interval is pushed: the
+interval is the sandbox policy's ``backup_every``, else its tenant's, else the deployment's), and stores each
 report on its sandbox's row (``Store.record_backup``: only while the sandbox is on that node). When
 the reported chain differs from the recorded one, the recorded one is superseded (the node started a
 new full base, or the sandbox moved and its new node started its own) and its objects are deleted,
@@ -67,13 +68,21 @@ class BackupSync:
         self.every = every
         self.chain_links = chain_links
 
-    def enabled_for(self, sb: Sandbox) -> float | None:
+    def resolve(self, sb: Sandbox, tenant_every: float | None) -> float | None:
+        """The sandbox's interval: its own policy's, else its tenant's (``tenant_every``; 0: off),
+        else the deployment's; None when it is not backed up."""
         if self.objects is None:
             return None
         try:
-            return backup_interval(sb, self.every)
+            return backup_interval(sb, self.every if tenant_every is None else tenant_every)
         except SpaceError:  # a policy stored before this field existed cannot be wrong, but be sure
             return None
+
+    async def interval(self, sb: Sandbox) -> float | None:
+        """:meth:`resolve` with the tenant's setting read now."""
+        if self.objects is None:
+            return None
+        return self.resolve(sb, (await self.store.tenant_backup_every([sb.tenant])).get(sb.tenant))
 
     async def sync(self, node_id: str, node: NodeClient, info: dict[str, Any]) -> None:
         """One heartbeat's worth: configure what is missing, record what was reported."""
@@ -83,8 +92,9 @@ class BackupSync:
         if not isinstance(reported, dict):
             return
         rows = await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value], node_id=node_id)
+        tenants = await self.store.tenant_backup_every(sb.tenant for sb in rows)
         for sb in rows:
-            every = self.enabled_for(sb)
+            every = self.resolve(sb, tenants.get(sb.tenant))
             rep = reported.get(sb.id)
             if every is not None and (not isinstance(rep, dict) or rep.get("every") != every
                                       or rep.get("prefix") != backup_prefix(sb)):
@@ -97,6 +107,12 @@ class BackupSync:
                 continue
             if isinstance(rep, dict):
                 await self.record(sb, node_id, rep)
+                if every is None:
+                    # Turned off (its policy or its tenant's): the node stops; the row keeps what is durable.
+                    try:
+                        await node.call("DELETE", f"/v1/sandboxes/{sb.id}/backup", timeout=10)
+                    except SpaceError as exc:
+                        log.warning("backup.disable_failed", sandbox=sb.id, node=node_id, error=exc.message[:200])
 
     async def record(self, sb: Sandbox, node_id: str, rep: dict[str, Any]) -> None:
         chain, seq, disk_at = rep.get("chain"), rep.get("seq"), _at(rep.get("disk_at"))

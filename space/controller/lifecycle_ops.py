@@ -131,7 +131,7 @@ class LifecycleOps:
         if snap.retain:
             key = retained_prefix(snap)
         elif (snap.kind == "full" and snap.origin == "schedule" and self.backups is not None
-              and self.backups.enabled_for(sb) is not None):
+              and await self.backups.interval(sb) is not None):
             key = object_prefix(sb, snap.id)  # the memory half of the continuous backup
         if key is not None:
             res = await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}/upload",

@@ -386,6 +386,9 @@ class TenantQuota(Base):
     #: The private ranges (CIDRs) the operator opens to this tenant, inside the deployment's
     #: (``space.egress_policy``); NULL: the deployment's ceiling.
     egress_ceiling: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
+    #: Seconds between continuous-backup looks for its sandboxes whose own policy does not say:
+    #: NULL takes the deployment's default, 0 turns backup off for them.
+    backup_every: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

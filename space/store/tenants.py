@@ -1,12 +1,12 @@
 """A tenant's row (``tenant_quotas``): its quota limits, their usage and enforcement, its default
-egress policy and its egress ceiling."""
+egress policy, its egress ceiling and its continuous-backup interval."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -73,6 +73,24 @@ class TenantStore(StoreBase):
         if not tenant:
             raise InvalidRequest("tenant must not be empty")
         return await self._upsert_quota(tenant, {"egress_ceiling": None if ceiling is None else list(ceiling)})
+
+    async def set_tenant_backup(self, tenant: str, every: float | None) -> TenantQuota:
+        """Store the tenant's continuous-backup interval (validated by the caller: seconds, 0 for
+        off, None for the deployment's default); limits and egress stay."""
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        return await self._upsert_quota(tenant, {"backup_every": every})
+
+    async def tenant_backup_every(self, tenants: Iterable[str]) -> dict[str, float]:
+        """The backup intervals set for those of ``tenants`` that have one (0: off); a tenant
+        missing from the answer takes the deployment's default."""
+        names = sorted(set(tenants))
+        if not names:
+            return {}
+        async with self._tx(write=False) as s:
+            rows = await s.execute(select(TenantQuota.tenant, TenantQuota.backup_every)
+                                   .where(TenantQuota.tenant.in_(names), TenantQuota.backup_every.is_not(None)))
+            return {str(t): float(every) for t, every in rows if every is not None}
 
     async def _upsert_quota(self, tenant: str, values: dict[str, Any]) -> TenantQuota:
         now = utcnow()

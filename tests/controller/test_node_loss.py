@@ -302,3 +302,40 @@ async def test_backup_reports_are_recorded_from_the_sandboxs_node_and_a_supersed
         assert await objects.list(f"{prefix}/") == [f"{prefix}/c2/000000/manifest.json"]
     finally:
         await registry.aclose()
+
+
+async def test_the_backup_interval_is_the_sandboxs_else_its_tenants_else_the_deployments_and_off_stops_it(
+        store: Store, nodes: tuple[FakeNode, FakeNode, list[Any]], tmp_path: Path) -> None:
+    a, _, log = nodes
+    objects = ObjectStore.from_url(str(tmp_path / "objects"))
+    sid = await _running_on(store, "node-a")
+    prefix = f"tenants/acme/sandboxes/{sid}/backup"
+    registry = NodeRegistry(store)
+    ctl = Controller(store, registry, objects=objects, backup_every=45.0)
+
+    async def beat_with(every: float) -> list[float]:
+        """One heartbeat of node-a reporting ``every``; the intervals the controller then PUT."""
+        log.clear()
+        a.info["backups"] = {sid: {"chain": "c1", "seq": 1, "disk_at": time.time(), "every": every,
+                                   "prefix": prefix}}
+        await ctl.check_nodes()
+        return [q["every"] for p, q in _calls(log, "node-a", "PUT") if p == f"sandboxes/{sid}/backup"]
+
+    try:
+        assert await beat_with(1) == [45.0]  # nothing set: the deployment's
+        await store.set_tenant_backup("acme", 10.0)
+        await store.set_tenant_backup("other", 0.0)  # another tenant's setting changes nothing here
+        assert await beat_with(45) == [10.0]
+        assert await beat_with(10) == []  # as configured: left alone
+        await store.update_sandbox(sid, snapshot_policy={"backup_every": 3})
+        assert await beat_with(10) == [3.0]  # the sandbox's own policy wins
+        await store.update_sandbox(sid, snapshot_policy={})
+        await store.set_tenant_backup("acme", 0.0)
+        assert await beat_with(10) == []
+        assert _calls(log, "node-a", "DELETE") == [(f"sandboxes/{sid}/backup", {})]  # off: the node stops
+        assert (await store.get_sandbox(sid)).backup["chain"] == "c1"  # what is durable stays on the row
+        await store.set_tenant_backup("acme", None)
+        assert await beat_with(0) == [45.0]
+        assert await store.tenant_backup_every(["acme", "other", "nobody"]) == {"other": 0.0}
+    finally:
+        await registry.aclose()

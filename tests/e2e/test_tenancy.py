@@ -12,7 +12,8 @@ Aspects:
 - egress default: validated, set by the tenant's admin or the operator, read by the tenant
 - audit: each mutating call above is recorded once with actor, action, target, result and status,
   failures included (401 as tenant "" / actor "anonymous"); reading is tenant-scoped
-- CLI: `space quota get/set`, `space audit --json`
+- backup interval: the tenant's admin sets it (CLI `space quota backup`, SDK), a member reads it
+- CLI: `space quota get/set/backup`, `space audit --json`
 """
 
 from __future__ import annotations
@@ -331,6 +332,18 @@ def test_cli(server: Server, make_tenant: Any) -> None:
     assert [(r["action"], r["result"]) for r in records] == [("quota.set", "forbidden")]
     table = space("audit", "--tenant", t.name, "--target", t.name)
     assert table.returncode == 0 and "quota.set" in table.stdout and "forbidden" in table.stdout
+    # The tenant's backup interval: its admin sets it, a member reads it.
+    admin, member = t.admin.headers["authorization"][7:], t.member.headers["authorization"][7:]
+    every = space("quota", "backup", t.name, "--every", "2m", "--json", key=admin)
+    assert every.returncode == 0, every.stderr
+    assert json.loads(every.stdout) == {"tenant": t.name, "every": 120.0, "source": "tenant"}
+    assert "backup every 120 s" in space("quota", "backup", t.name, key=member).stdout
+    assert "backup off" in space("quota", "backup", t.name, "--every", "off", key=admin).stdout
+    bad = space("quota", "backup", t.name, "--every", "soon", key=admin)
+    assert bad.returncode == 1 and "invalid_request" in bad.stderr
+    refused = space("quota", "backup", t.name, "--every", "1m", key=member)
+    assert refused.returncode == 1 and "forbidden" in refused.stderr
+    assert "the deployment's default" in space("quota", "backup", t.name, "--every", "default", key=admin).stdout
 
 
 def test_sdk(server: Server, make_tenant: Any) -> None:
@@ -348,6 +361,11 @@ def test_sdk(server: Server, make_tenant: Any) -> None:
         assert mine.quotas.get_egress(t.name) == {"deny": ["evil.test"]}
         with pytest.raises(errors.InvalidRequest):
             mine.quotas.set_egress(t.name, {"allow": "pypi.org"})
+        assert mine.quotas.set_backup(t.name, "45s") == {"tenant": t.name, "every": 45.0, "source": "tenant"}
+        assert op.quotas.get_backup(t.name)["every"] == 45.0
+        assert mine.quotas.set_backup(t.name, None)["source"] == "default"
+        with pytest.raises(errors.InvalidRequest):
+            mine.quotas.set_backup(t.name, 0.2)
         for i in range(5):
             mine.apikeys.create(t.name, role="readonly", name=f"k{i}")
         paged = list(mine.audit.iter(action="apikey.create", page=2))

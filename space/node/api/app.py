@@ -502,6 +502,13 @@ def create_node_app(
         """Back the sandbox's disk up continuously under ``prefix`` (a chain of incremental links)."""
         return manager.backups.configure(sandbox_id, body.model_dump())
 
+    @r.delete("/sandboxes/{sandbox_id}/backup")
+    async def disable_backup(sandbox_id: str) -> dict[str, Any]:
+        """Stop backing the sandbox up (its interval was turned off); shipped links stay."""
+        manager.get(sandbox_id)
+        await manager.backups.disable(sandbox_id)
+        return {"id": sandbox_id, "backup": None}
+
     @r.post("/sandboxes/{sandbox_id}/backup")
     async def back_up_now(sandbox_id: str) -> dict[str, Any]:
         """Look now (ship a link if the disk changed): before a planned move, and for tests."""

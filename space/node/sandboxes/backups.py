@@ -154,6 +154,13 @@ class Backups:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    async def disable(self, sandbox_id: str) -> None:
+        """Stop backing ``sandbox_id`` up (its interval became off): what was shipped stays shipped,
+        and an agent restart does not pick the chain up again."""
+        await self.stop(sandbox_id)
+        with contextlib.suppress(FileNotFoundError):
+            (self._dir(sandbox_id) / STATE_FILE).unlink()
+
     def status(self) -> dict[str, dict[str, Any]]:
         """Every configured sandbox's backup, for the heartbeat: what is durable and how old."""
         live = {sb.id for sb in self.manager.list()}

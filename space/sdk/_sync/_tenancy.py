@@ -1,5 +1,5 @@
 # Generated from space/sdk/_async/_tenancy.py by scripts/unasync.py: do not edit.
-"""Tenancy: a tenant's quota and egress default, and the audit trail."""
+"""Tenancy: a tenant's quota, egress default and backup interval, and the audit trail."""
 
 from __future__ import annotations
 
@@ -80,6 +80,17 @@ class Quotas:
         returns it normalized."""
         body = self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/egress", json=policy)
         return dict(body.get("egress") or {})
+
+    def get_backup(self, tenant: str) -> JSON:
+        """``{"tenant", "every", "source"}``: the tenant's continuous-backup interval in seconds
+        (``0``: off; ``None`` with ``source`` ``default``: the deployment's default)."""
+        return self._http.json("GET", f"/v1/tenants/{quote(tenant, safe='')}/backup")
+
+    def set_backup(self, tenant: str, every: float | str | None) -> JSON:
+        """Back the tenant's sandboxes up every ``every`` (seconds or ``"45s"``, ``"2m"``; ``0`` or
+        ``"off"``: not at all; ``None``: the deployment's default). A sandbox's own policy
+        (``snapshot_policy.backup_every``) still wins. Operator or the tenant's admin keys."""
+        return self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/backup", json={"every": every})
 
 
 class Audit:
