@@ -248,7 +248,7 @@ async def build_node(settings: NodeSettings) -> Node:
                if settings.object_store_url else None)
     templates = TemplateStore(pool, settings.cache_dir, objects=objects,
                               keys=settings.manifest_keys if objects is not None else None)
-    driver = GVisorDriver(priv, pool.root)
+    driver = GVisorDriver(priv, pool.root, lease_file=lease_end_file(settings))
     egress = await start_egress(settings, priv) if settings.network else None
     if egress is not None:
         templates.build_net = build_net.BuildNetwork(egress, mirrors=settings.build_mirrors,
@@ -261,6 +261,11 @@ async def build_node(settings: NodeSettings) -> Node:
     warm = WarmPool(manager, warm_pool_file(settings.data_dir), concurrency=settings.warm_concurrency)
     await warm.adopt()
     return Node(pool, templates, manager, warm, helper)
+
+
+def lease_end_file(settings: NodeSettings) -> Path | None:
+    """Where the agent publishes its lease's end for the shims (None: this node has no lease)."""
+    return node_state_dir(settings.data_dir) / "lease-end" if settings.fence_after else None
 
 
 def warm_pool_file(data_dir: Path) -> Path:
@@ -316,7 +321,8 @@ async def serve_node(settings: NodeSettings) -> None:
                                       NodeTLSFiles.under(node_state_dir(settings.data_dir)))
     node = await build_node(settings)
     templates, manager, warm = node.templates, node.manager, node.warm
-    fence = Fence(manager, lease=settings.fence_after, state_file=node_state_dir(settings.data_dir) / "lease.json")
+    fence = Fence(manager, lease=settings.fence_after, state_file=node_state_dir(settings.data_dir) / "lease.json",
+                  lease_file=lease_end_file(settings) or node_state_dir(settings.data_dir) / "lease-end")
     app = create_node_app(
         node_id=settings.node_id,
         token=settings.token if settings.join is None else None,

@@ -65,6 +65,10 @@ class RuntimeDriver(Protocol):
         """Stop every thread of the instance where it stands (cgroup freezer): it costs no CPU at
         all until :meth:`thaw`. Nothing may talk to it meanwhile; kill and stop thaw it first."""
 
+    def take_fence_mark(self, workdir: Path) -> bool:
+        """Whether the instance was frozen outside the agent because the node's lease ran out
+        (reading the mark consumes it)."""
+
     def thaw(self, instance_id: str) -> None:
         """Undo :meth:`freeze` (idempotent: a thawed instance stays as it is)."""
 

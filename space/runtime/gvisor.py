@@ -27,15 +27,21 @@ from space.runtime.base import InstanceHandle, InstanceSpec
 log = structlog.get_logger("space.runtime.gvisor")
 
 SHIM_PIDFILE = "shim.pid"
+#: Left in the instance's workdir by its shim when it froze the instance (the lease ran out).
+FENCE_MARK = "fenced"
 
 
 class GVisorDriver:
     name = "gvisor"
 
-    def __init__(self, priv: Privileged, pool_root: Path, *, runsc: str = "runsc") -> None:
+    def __init__(self, priv: Privileged, pool_root: Path, *, runsc: str = "runsc",
+                 lease_file: Path | None = None) -> None:
         self.priv = priv
         self.pool_root = pool_root
         self.runsc = runsc
+        #: Where the node agent publishes its lease's end: each shim freezes its instance once it
+        #: passes (space.runtime.shim.LeaseWatch). None: the node has no lease (``space serve``).
+        self.lease_file = lease_file
 
     async def version(self) -> str:
         res = await privileged.run(self.runsc, "--version")  # needs no privilege
@@ -81,7 +87,8 @@ class GVisorDriver:
                  "--socket", str(channel),
                  "--to-guest-fd", str(to_guest_w),
                  "--from-guest-fd", str(from_guest_r),
-                 "--pidfile", str(spec.workdir / SHIM_PIDFILE)],
+                 "--pidfile", str(spec.workdir / SHIM_PIDFILE),
+                 *self._fence_args(spec)],
                 pass_fds=(to_guest_w, from_guest_r),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -111,6 +118,21 @@ class GVisorDriver:
         log.info(f"instance.{'started' if image is None else 'restored'}", instance=spec.instance_id,
                  shim_pid=shim.pid)
         return InstanceHandle(instance_id=spec.instance_id, channel=channel, shim_pid=shim.pid)
+
+    def _fence_args(self, spec: InstanceSpec) -> list[str]:
+        if self.lease_file is None:
+            return []
+        return ["--lease-file", str(self.lease_file),
+                "--freeze-file", str(_FREEZER / spec.instance_id / "freezer.state"),
+                "--fence-mark", str(spec.workdir / FENCE_MARK)]
+
+    def take_fence_mark(self, workdir: Path) -> bool:
+        """Whether the instance's shim froze it because the node's lease ran out (and forget that)."""
+        try:
+            (workdir / FENCE_MARK).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
     async def pause(self, instance_id: str) -> None:
         await self.priv.call("runtime.pause", {"instance": instance_id})
@@ -172,8 +194,9 @@ class GVisorDriver:
         await self.priv.call("runtime.kill", {"instance": instance_id})
 
     async def stop(self, instance_id: str, workdir: Path) -> None:
-        await self.priv.call("runtime.delete", {"instance": instance_id})
+        # The shim first: it must not freeze (fence) the instance while runsc takes it down.
         _kill_pidfile(workdir / SHIM_PIDFILE)
+        await self.priv.call("runtime.delete", {"instance": instance_id})
 
     async def state(self, instance_id: str) -> str | None:
         status = (await self.priv.call("runtime.state", {"instance": instance_id}))["status"]

@@ -18,16 +18,26 @@ is garbage, skipped to the next plausible frame), frames for the client at most 
 one read, and the log of skipped garbage GARBAGE_LINES lines.
 Exits, removing its socket and pidfile, when the guest's stdout ends. Standard library only, and
 little of it: one runs per sandbox.
+
+With ``--lease-file``, the shim is also the sandbox's last line of fencing (:class:`LeaseWatch`):
+the node agent publishes when its lease with the control plane ends, and a shim that sees that
+moment pass (plus :data:`GRACE`, the agent's own chance to fence first) freezes its instance
+through the cgroup freezer and leaves a mark for the agent. So a node agent that is stopped, hung
+or dead, while its sandboxes live on, cannot leave a copy running that the control plane restores
+elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import selectors
 import signal
 import socket
+import stat
 import sys
+import time
 from typing import Any
 
 from space.guest import protocol
@@ -87,8 +97,87 @@ def complete_frames(buf: bytearray) -> int:
     return pos
 
 
+#: Seconds past the lease's end before the shim freezes: the agent, when it runs, fences first.
+GRACE = 2.5
+#: Seconds between the shim's looks at the lease.
+CHECK_EVERY = 0.5
+#: The lease file holds one number; anything longer is not ours.
+LEASE_FILE_MAX = 64
+
+
+def boottime() -> float:
+    """The clock the agent publishes the lease end on: shared by every process, never set back."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def read_lease_end(path: str) -> float | None:
+    """The lease end the agent published, or None (no lease, or a file that is not a plain number).
+    Never follows a symlink and never blocks (a FIFO planted there must not stop the shim)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, LEASE_FILE_MAX + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) > LEASE_FILE_MAX:
+        return None
+    try:
+        end = float(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return end if math.isfinite(end) else None
+
+
+class LeaseWatch:
+    """Freeze the instance once the node's published lease has run out: once per lease end, so a
+    sandbox the agent thaws (it is told the node still owns it) is not frozen again for the same
+    lapse, and one being stopped is not refrozen under ``runsc``'s feet."""
+
+    def __init__(self, lease_file: str, freeze_file: str, mark_file: str, *, grace: float = GRACE) -> None:
+        self.lease_file, self.freeze_file, self.mark_file, self.grace = lease_file, freeze_file, mark_file, grace
+        self.froze_for: float | None = None
+        self.next_check = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + CHECK_EVERY
+        self.check()
+
+    def check(self) -> bool:
+        """Whether it froze the instance now."""
+        end = read_lease_end(self.lease_file)
+        if end is None or end == self.froze_for or boottime() < end + self.grace:
+            return False
+        try:
+            with open(self.freeze_file, "w") as f:
+                f.write("FROZEN")
+        except OSError as exc:  # no cgroup (the instance is gone): nothing runs to freeze
+            _log(f"lease over but cannot freeze: {exc}")
+            return False
+        self.froze_for = end
+        try:
+            tmp = self.mark_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{end!r}\n")
+            os.replace(tmp, self.mark_file)
+        except OSError as exc:
+            _log(f"froze, but cannot leave the fence mark: {exc}")
+        _log(f"the node's lease ended {boottime() - end:.1f}s ago: instance frozen")
+        return True
+
+
 class Shim:
-    def __init__(self, socket_path: str, to_guest: int, from_guest: int) -> None:
+    def __init__(self, socket_path: str, to_guest: int, from_guest: int,
+                 watch: LeaseWatch | None = None) -> None:
+        self.watch = watch
         self.path = socket_path
         self.to_guest = to_guest
         self.from_guest = from_guest
@@ -146,8 +235,11 @@ class Shim:
             self._want(self.client, (r if len(self.gout) < GUEST_BUFFER else 0) | (w if self.cout else 0))
 
     def run(self) -> None:
+        timeout = CHECK_EVERY if self.watch is not None else None
         while True:
-            for key, mask in self.sel.select():
+            if self.watch is not None:
+                self.watch.tick()
+            for key, mask in self.sel.select(timeout):
                 obj = key.fileobj
                 if obj is self.listener:
                     self._accept()
@@ -274,7 +366,14 @@ def _parse(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--to-guest-fd", type=int, required=True)
     p.add_argument("--from-guest-fd", type=int, required=True)
     p.add_argument("--pidfile")
-    return vars(p.parse_args(argv))
+    p.add_argument("--lease-file", help="where the node agent publishes its lease's end (CLOCK_BOOTTIME)")
+    p.add_argument("--freeze-file", help="the instance's cgroup freezer.state")
+    p.add_argument("--fence-mark", help="written when this shim froze the instance")
+    args = vars(p.parse_args(argv))
+    given = [args[k] is not None for k in ("lease_file", "freeze_file", "fence_mark")]
+    if any(given) and not all(given):
+        p.error("--lease-file, --freeze-file and --fence-mark go together")
+    return args
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -287,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _terminate)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     pidfile: str | None = args["pidfile"]
-    shim = Shim(args["socket"], args["to_guest_fd"], args["from_guest_fd"])
+    watch = (LeaseWatch(args["lease_file"], args["freeze_file"], args["fence_mark"])
+             if args["lease_file"] is not None else None)
+    shim = Shim(args["socket"], args["to_guest_fd"], args["from_guest_fd"], watch)
     try:
         if pidfile:
             with open(pidfile + ".tmp", "w") as f:

@@ -9,12 +9,17 @@
 - the node cut off (every request to it refused) past its lease: it freezes its sandbox itself, the
   sandbox then runs elsewhere, and the frozen copy wrote nothing after the new one started; when the
   node answers again it discards that copy
+- the agent alone SIGSTOPped (its sandboxes live on): each shim freezes its sandbox a grace after
+  the published lease end, before the node is declared lost; the continued agent discards the copy
+- the backup interval set for the tenant (not the sandbox) is the one used; turned off, the node
+  stops backing the sandbox up and the row keeps what is durable
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import shutil
 import signal
@@ -124,7 +129,7 @@ def _events(api: httpx.Client, sid: str) -> list[dict[str, Any]]:
 
 def test_the_disk_is_shipped_as_it_changes_and_the_sandbox_outlives_its_killed_node(
         primary: Server, api: httpx.Client, tmp_path: Path) -> None:
-    with further_node(primary, api, "node-b", tmp_path) as b, further_node(primary, api, "node-c", tmp_path):
+    with further_node(primary, api, "node-b", tmp_path) as b, further_node(primary, api, "node-c", tmp_path) as c:
         # The interval is the tenant's here (the sandbox's own policy does not name one).
         assert api.put("/v1/tenants/default/backup", json={"every": "1s"}).json()["every"] == 1
         sid = _on(api, b, {k: v for k, v in POLICY.items() if k != "backup_every"})
@@ -144,6 +149,10 @@ def test_the_disk_is_shipped_as_it_changes_and_the_sandbox_outlives_its_killed_n
             metrics = api.get("/metrics").text
             assert 'space_backup_worst_rpo_seconds{node="node-b"}' in metrics
 
+            # node-c is where it goes (cordoned nodes get nothing new): the test reads that node's backups.
+            others = [n["id"] for n in api.get("/v1/nodes").json()["nodes"] if n["id"] not in ("node-b", "node-c")]
+            for other in others:
+                assert api.post(f"/v1/nodes/{other}/cordon").status_code == 200
             killed_at = time.time()
             pids = _node_processes(b)
             assert b.proc is not None and b.proc.pid in pids
@@ -165,9 +174,19 @@ def test_the_disk_is_shipped_as_it_changes_and_the_sandbox_outlives_its_killed_n
             assert relocated and "disk backup" in relocated[-1]["message"], _events(api, sid)
             assert "node-b was lost" in relocated[-1]["message"]
             print(f"node killed → sandbox running elsewhere: {took:.1f} s (lease {LEASE} s)")
+            # Backup turned off for the tenant: the new node stops backing it up at its next
+            # heartbeat, and the row keeps saying what is durable.
+            assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == c.node_id
+            wait_for(lambda: sid in c.info()["backups"], 60, "the new node to back the sandbox up")
+            assert api.put("/v1/tenants/default/backup", json={"every": "off"}).json()["every"] == 0
+            wait_for(lambda: sid not in c.info()["backups"], 60, "the new node to stop backing it up")
+            assert _backup(api, sid).get("disk_at")
         finally:
             _delete(api, sid)
             api.put("/v1/tenants/default/backup", json={"every": None})
+            for n in api.get("/v1/nodes").json()["nodes"]:
+                if n.get("cordoned"):
+                    api.post(f"/v1/nodes/{n['id']}/uncordon")
 
 
 def test_a_partitioned_node_freezes_its_copy_before_another_runs_and_discards_it_when_back(
@@ -205,6 +224,47 @@ def test_a_partitioned_node_freezes_its_copy_before_another_runs_and_discards_it
                      "the returning node to discard its stale copy")
             nodes = {n["id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
             assert nodes["node-d"]["state"] == "ready", nodes["node-d"]
+            assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == moved["node_id"]
+        finally:
+            _delete(api, sid)
+
+
+def test_a_stopped_agent_cannot_fence_so_its_shims_freeze_its_sandboxes_before_another_copy_runs(
+        primary: Server, api: httpx.Client, tmp_path: Path) -> None:
+    """The node agent alone is SIGSTOPped (a hung agent): its sandboxes' runtimes live on and no
+    agent is there to freeze them. Their shims do, once the published lease end is past."""
+    with further_node(primary, api, "node-e", tmp_path) as e, further_node(primary, api, "node-f", tmp_path):
+        sid = _on(api, e)
+        try:
+            r = api.post(f"/v1/sandboxes/{sid}/commands", json={
+                "shell": "while :; do date +%s%3N >> /home/user/clock; sleep 0.1; done"})
+            assert r.status_code == 201, r.text
+            clock = e.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
+            wait_for(lambda: clock.exists() and clock.stat().st_size > 0, 30, "the writer to write")
+            _durable_after(api, sid, dt.datetime.now(dt.UTC), "a backup of the running sandbox")
+            instance = json.loads((e.data_dir / "pool" / "sandboxes" / sid / "state.json").read_text())["instance_id"]
+            freezer = Path("/sys/fs/cgroup/freezer/space") / instance / "freezer.state"
+            assert freezer.read_text().strip() == "THAWED"
+            assert e.proc is not None
+            os.kill(e.proc.pid, signal.SIGSTOP)  # the agent only: helper, gateway, shims and runsc run on
+            try:
+                # No agent runs: only the shim can freeze it, a grace after the lease's end.
+                wait_for(lambda: freezer.read_text().strip() == "FROZEN", LEASE + 30, "the shim to freeze it")
+                def elsewhere() -> dict[str, Any] | None:
+                    sb: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}").json()
+                    return sb if sb["state"] == "running" and sb["node_id"] not in (None, "node-e") else None
+                moved = wait_for(elsewhere, 120, "the sandbox to run on another node")
+                lost = [ev for ev in _events(api, sid) if ev["kind"] == "node_lost"][-1]
+                # Frozen by its shim (no agent ran) before the node was even declared lost.
+                last_old = int(clock.read_text().split()[-1])
+                assert last_old < dt.datetime.fromisoformat(lost["at"]).timestamp() * 1000, (last_old, lost)
+                size = clock.stat().st_size
+                assert sh(api, sid, "cat /home/user/clock | wc -l").strip().isdigit()  # the new copy answers
+                assert clock.stat().st_size == size, "the old copy wrote on"
+            finally:
+                os.kill(e.proc.pid, signal.SIGCONT)
+            wait_for(lambda: not (e.data_dir / "pool" / "sandboxes" / sid).exists(), 90,
+                     "the returning agent to discard its stale copy")
             assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == moved["node_id"]
         finally:
             _delete(api, sid)

@@ -171,7 +171,8 @@ class Backups:
     # -- shipping -------------------------------------------------------------------------------
 
     def _due(self, now: float) -> list[str]:
-        running = {sb.id for sb in self.manager.list() if sb.status in ("running", "paused")}
+        # A fenced copy is not shipped: it may be running elsewhere already, from this chain.
+        running = {sb.id for sb in self.manager.list() if sb.status in ("running", "paused") and not sb.fenced}
         return [sid for sid, st in self._states.items() if sid in running and now - st.looked_at >= st.every]
 
     async def run(self, every: float = 1.0) -> None:

@@ -12,7 +12,13 @@ node's lease always ends first:
     node fences at      arrival(M) + lease              (M: the newest acknowledged heartbeat)
     control plane waits answer(K) + lease + margin      (K: its newest answered heartbeat, K >= M)
 
-Frozen (``driver.pause``, the cgroup freezer) is not stopped: when contact returns, the control
+The agent alone cannot guarantee this: stopped (SIGSTOP), hung or dead, it fences nothing, while
+its sandboxes' runtimes live on. So it publishes its lease's end (``lease_file``, on
+CLOCK_BOOTTIME, which every process shares) and each sandbox's shim freezes its instance once
+that moment is :data:`space.runtime.shim.GRACE` past, leaving a mark; the agent, when it runs
+again, takes the marks and counts those sandboxes fenced (:meth:`Fence.watch`, and at start).
+
+Frozen (the cgroup freezer) is not stopped: when contact returns, the control
 plane says per sandbox whether this node still owns it (``unfence``: it runs on) or not (it was
 restored elsewhere: the copy here is discarded). A fenced sandbox cannot be resumed any other way.
 """
@@ -40,7 +46,8 @@ MAX_HEARTBEATS = 32
 
 
 class Fence:
-    def __init__(self, manager: SandboxManager, *, lease: float | None, state_file: Path | None = None) -> None:
+    def __init__(self, manager: SandboxManager, *, lease: float | None, state_file: Path | None = None,
+                 lease_file: Path | None = None) -> None:
         self.manager = manager
         #: Seconds without an acknowledged heartbeat after which this node fences (None: never,
         #: e.g. ``space serve``'s own node, whose control plane is its parent process).
@@ -53,7 +60,11 @@ class Fence:
         #: while cut off still fences when the lease it had runs out, not a lease later.
         self.state_file = state_file
         self._saved = 0.0
+        #: Where the shims read the lease's end (None: no shim fences, e.g. in unit tests).
+        self.lease_file = lease_file
+        self._published: float | None = None
         self._load()
+        self._publish()
 
     def _load(self) -> None:
         if self.state_file is None:
@@ -74,11 +85,33 @@ class Fence:
             tmp.write_text(json.dumps({"renewed_at": wall}))
             os.replace(tmp, self.state_file)
 
+    def _publish(self) -> None:
+        """Tell the shims when the lease ends (atomically: a shim never reads half a number); no
+        lease, no file, and no shim fences."""
+        if self.lease_file is None:
+            return
+        if self.lease is None or self.renewed is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.lease_file.unlink()
+            self._published = None
+            return
+        end = time.clock_gettime(time.CLOCK_BOOTTIME) - (time.monotonic() - self.renewed) + self.lease
+        if self._published is not None and abs(end - self._published) < 0.05:
+            return
+        try:
+            tmp = self.lease_file.with_suffix(".tmp")
+            tmp.write_text(f"{end!r}\n")
+            os.replace(tmp, self.lease_file)
+            self._published = end
+        except OSError as exc:  # the agent's own fencing still holds; the shims keep the older end
+            log.warning("fence.lease_unpublished", error=str(exc))
+
     def heartbeat(self, hb: int | None, ack: int | None) -> None:
         now = time.monotonic()
         if ack is not None and (arrived := self._arrivals.get(ack)) is not None:
             self.renewed = arrived if self.renewed is None else max(self.renewed, arrived)
             self._save()
+            self._publish()
         if hb is not None:
             self._arrivals[hb] = now
             self._arrivals.move_to_end(hb)
@@ -102,6 +135,11 @@ class Fence:
         while True:
             if self.expired():
                 await self.fence_all()
+            try:
+                if await self.manager.take_fence_marks():
+                    self.fenced_at = time.time()
+            except Exception:  # the marks stay where they are until the next round
+                log.exception("fence.marks_failed")
             await asyncio.sleep(every)
 
     async def fence_all(self) -> list[str]:

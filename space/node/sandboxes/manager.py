@@ -223,7 +223,16 @@ class SandboxManager:
             if live in ("running", "created", "paused"):
                 assert sb.instance_id
                 known.add(sb.instance_id)
-                if sb.status != "stopping":
+                if self.driver.take_fence_mark(self._workdir(sb)) and not sb.fenced and sb.status != "stopping":
+                    # Its shim froze it while no agent ran (the lease ran out): fenced, as if by us.
+                    sb.fenced, sb.fenced_from = True, ("paused" if live == "paused" else "running")
+                    log.warning("sandbox.fenced", sandbox=sb.id, was=sb.fenced_from, by="shim")
+                if sb.fenced:
+                    # Only the control plane's unfence lets it run again; never thawed here.
+                    self.driver.freeze(sb.instance_id)
+                    sb.status = "paused"
+                    self._save(sb)
+                elif sb.status != "stopping":
                     sb.status = "paused" if live == "paused" else "running"
                 if sb.status == "running" and not sb.warm:
                     # Claimed just before a stop, before it was woken: it must not stay frozen.
@@ -599,12 +608,26 @@ class SandboxManager:
             sb.fenced_from = sb.status
             if sb.status == "running":
                 assert sb.instance_id
-                await self.driver.pause(sb.instance_id)
+                # The freezer alone, not `runsc pause`: its shim may have frozen the instance
+                # already, and a frozen sentry would never answer runsc.
+                self.driver.freeze(sb.instance_id)
                 sb.status = "paused"
             sb.fenced = True
             self._save(sb)
             log.warning("sandbox.fenced", sandbox=sandbox_id, was=sb.fenced_from)
             return sb
+
+    async def take_fence_marks(self) -> builtins.list[str]:
+        """Fence the sandboxes whose shims froze them because the lease ran out (the agent was
+        stopped or slow meanwhile): the control plane then says which are still this node's."""
+        taken = [sb for sb in tuple(self._sandboxes.values())
+                 if sb.instance_id and self.driver.take_fence_mark(self._workdir(sb))]
+        marked = [sb.id for sb in taken if sb.status in ("running", "paused") and not sb.fenced]
+        for sid in marked:
+            await self.fence(sid)
+        if marked:
+            log.warning("node.fenced_by_shims", sandboxes=marked)
+        return marked
 
     async def unfence(self, sandbox_id: str) -> LocalSandbox:
         """The control plane says this node still owns the sandbox: it goes on as it was."""
@@ -614,7 +637,9 @@ class SandboxManager:
                 return sb
             if sb.fenced_from == "running" and sb.status == "paused":
                 assert sb.instance_id
-                await self.driver.resume(sb.instance_id)
+                self.driver.thaw(sb.instance_id)
+                if await self.driver.state(sb.instance_id) == "paused":  # fenced with `runsc pause` (older agents)
+                    await self.driver.resume(sb.instance_id)
                 sb.status = "running"
             sb.fenced, sb.fenced_from = False, None
             self._save(sb)
@@ -638,6 +663,15 @@ class SandboxManager:
             log.info("sandbox.resumed", sandbox=sandbox_id)
             return sb
 
+    @staticmethod
+    def _require_unfenced(sb: LocalSandbox, what: str) -> None:
+        """A fenced copy may have been restored elsewhere: nothing here may run it again (a new
+        instance) or let its guest run (a checkpoint thaws it) until the control plane releases it."""
+        if sb.fenced:
+            raise InvalidState(f"cannot {what} sandbox {sb.id}: it is fenced on this node (it lost contact with "
+                               "the control plane); only the control plane can release it", state="fenced",
+                               allowed=[])
+
     def _require(self, sb: LocalSandbox, status: str, what: str) -> None:
         if sb.status == "dead":
             raise dead_error(sb)
@@ -657,6 +691,7 @@ class SandboxManager:
             done = snapshots.read(self.pool, sandbox_id, snap_id)
             if done is not None:
                 return done
+            self._require_unfenced(sb, "snapshot")
             if sb.status not in ("running", "paused"):
                 self._require(sb, "running", "snapshot")
             d = snapshots.snapshot_dir(self.pool, sandbox_id, snap_id)
@@ -735,6 +770,7 @@ class SandboxManager:
             sb = self.get(sandbox_id)
             if token is not None and sb.applied == token and sb.status == "running":
                 return sb
+            self._require_unfenced(sb, "roll back")
             owner = source or sandbox_id
             snap = snapshots.get(self.pool, owner, snap_id)
             t0 = time.perf_counter()
@@ -762,6 +798,7 @@ class SandboxManager:
             sb = self.get(sandbox_id)
             if token is not None and sb.applied == token and sb.status == "running":
                 return sb
+            self._require_unfenced(sb, "reboot")
             t0 = time.perf_counter()
             await self._stop_instance(sb)
             sb.instance_id = ids.instance_id(sandbox_id)

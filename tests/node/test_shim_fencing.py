@@ -1,0 +1,149 @@
+"""The shim as the last line of fencing (space.runtime.shim.LeaseWatch), on a real freezer cgroup
+holding a real process, and a real shim process:
+
+- once the published lease end is GRACE past, the instance is frozen and a mark names the end;
+  a lease still running, or no lease at all, freezes nothing
+- once per lease end: thawed by the agent (the control plane said the node still owns it), it is
+  not frozen again for the same lapse, but is for the next one
+- the lease file is hostile input to the shim: a symlink, a FIFO (which must not block it), a
+  directory, garbage, an oversized file, inf or nan are no lease at all
+- a shim started with the lease flags freezes its instance on its own while nothing else runs,
+  and the driver hands it those flags only when the node has a lease; its arguments go together
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from space.runtime import shim
+from space.runtime.shim import GRACE, LeaseWatch, read_lease_end
+from tests.waiting import wait_for
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    """A freezer cgroup of its own holding a sleeping process; thawed, emptied and removed after."""
+    if os.geteuid() != 0 or not FREEZER.is_dir():
+        pytest.skip("needs root and the v1 freezer hierarchy")
+    cg = FREEZER / f"space-test-{secrets.token_hex(4)}"
+    cg.mkdir()
+    proc = subprocess.Popen(["sleep", "600"])
+    try:
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+        yield cg
+    finally:
+        (cg / "freezer.state").write_text("THAWED")
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not (cg / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
+        cg.rmdir()
+
+
+def state(cg: Path) -> str:
+    return (cg / "freezer.state").read_text().strip()
+
+
+def publish(path: Path, end: float) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{end!r}\n")
+    os.replace(tmp, path)
+
+
+def test_past_the_lease_and_its_grace_the_instance_is_frozen_once_per_lease_end(cgroup: Path,
+                                                                              tmp_path: Path) -> None:
+    lease, mark = tmp_path / "lease-end", tmp_path / "fenced"
+    watch = LeaseWatch(str(lease), str(cgroup / "freezer.state"), str(mark))
+    assert not watch.check() and state(cgroup) == "THAWED"  # no lease: nothing to lose
+    publish(lease, shim.boottime() + 30)
+    assert not watch.check() and state(cgroup) == "THAWED"  # the lease still runs
+    publish(lease, shim.boottime() - GRACE / 2)
+    assert not watch.check() and state(cgroup) == "THAWED"  # over, but the agent's turn first
+    lapsed = shim.boottime() - GRACE - 1
+    publish(lease, lapsed)
+    assert watch.check()
+    wait_for(lambda: state(cgroup) == "FROZEN", 10, "the freezer to settle")
+    assert float(mark.read_text()) == lapsed
+    # The agent thaws it (told the node still owns the sandbox): not frozen again for this lapse.
+    (cgroup / "freezer.state").write_text("THAWED")
+    assert not watch.check() and state(cgroup) == "THAWED"
+    # The next lapse is another matter.
+    publish(lease, lapsed + 10 - 20)
+    assert watch.check()
+    wait_for(lambda: state(cgroup) == "FROZEN", 10, "the freezer to settle again")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "garbage", "oversized", "inf", "nan", "empty"])
+def test_a_lease_file_that_is_not_a_plain_number_is_no_lease(tmp_path: Path, kind: str) -> None:
+    path, target = tmp_path / "lease-end", tmp_path / "elsewhere"
+    target.write_text("1.0\n")
+    if kind == "symlink":
+        path.symlink_to(target)  # the agent's directory: a symlink planted there is not followed
+    elif kind == "fifo":
+        os.mkfifo(path)  # opening must not wait for a writer
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text({"garbage": "soon\n", "oversized": "1" * 100, "inf": "inf", "nan": "nan", "empty": ""}[kind])
+    t0 = time.monotonic()
+    assert read_lease_end(str(path)) is None
+    assert time.monotonic() - t0 < 1
+    path_ok = tmp_path / "ok"
+    path_ok.write_text("12.5\n")
+    assert read_lease_end(str(path_ok)) == 12.5
+
+
+def test_a_shim_freezes_its_instance_on_its_own_when_the_lease_lapses(cgroup: Path, tmp_path: Path) -> None:
+    lease, mark = tmp_path / "lease-end", tmp_path / "fenced"
+    publish(lease, shim.boottime() + 1.0)  # runs out in a second; nobody renews it
+    to_guest_r, to_guest_w = os.pipe()
+    from_guest_r, from_guest_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "space.runtime.shim", "--socket", str(tmp_path / "s.sock"),
+         "--to-guest-fd", str(to_guest_w), "--from-guest-fd", str(from_guest_r),
+         "--lease-file", str(lease), "--freeze-file", str(cgroup / "freezer.state"), "--fence-mark", str(mark)],
+        pass_fds=(to_guest_w, from_guest_r), stderr=subprocess.PIPE)
+    os.close(to_guest_w)
+    os.close(from_guest_r)
+    try:
+        wait_for(lambda: mark.exists(), 1.0 + GRACE + 10, "the shim to fence its instance")
+        assert state(cgroup) in ("FREEZING", "FROZEN")
+    finally:
+        os.close(from_guest_w)  # the guest's stdout ends: the shim exits
+        assert proc.wait(timeout=10) == 0
+        os.close(to_guest_r)
+    assert proc.stderr is not None and b"instance frozen" in proc.stderr.read()
+
+
+def test_the_lease_arguments_go_together(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "space.runtime.shim", "--socket", str(tmp_path / "s"),
+                          "--to-guest-fd", "0", "--from-guest-fd", "1", "--lease-file", str(tmp_path / "l")],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 2 and "go together" in out.stderr
+
+
+def test_the_driver_gives_shims_the_lease_only_when_the_node_has_one(tmp_path: Path) -> None:
+    from space.runtime.base import InstanceSpec
+    from space.runtime.gvisor import FENCE_MARK, GVisorDriver
+
+    spec = InstanceSpec(sandbox_id="s1", instance_id="i1", rootfs=tmp_path, workdir=tmp_path / "w",
+                        guest_dir=tmp_path, channel_dir=tmp_path, cpu=1, memory_mb=256, hostname="h")
+    assert GVisorDriver(None, tmp_path)._fence_args(spec) == []  # type: ignore[arg-type]
+    args = GVisorDriver(None, tmp_path, lease_file=tmp_path / "lease-end")._fence_args(spec)  # type: ignore[arg-type]
+    assert args == ["--lease-file", str(tmp_path / "lease-end"),
+                    "--freeze-file", "/sys/fs/cgroup/freezer/space/i1/freezer.state",
+                    "--fence-mark", str(tmp_path / "w" / FENCE_MARK)]
+    driver = GVisorDriver(None, tmp_path)  # type: ignore[arg-type]
+    (tmp_path / "w").mkdir()
+    assert not driver.take_fence_mark(tmp_path / "w")
+    (tmp_path / "w" / FENCE_MARK).write_text("1.0\n")
+    assert driver.take_fence_mark(tmp_path / "w") and not driver.take_fence_mark(tmp_path / "w")
