@@ -39,8 +39,8 @@ access: python gateway  ## the service users (`space`: the API; `space-node`: th
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)
 
-test: setup lint typecheck  ## the whole test suite, with real sandboxes (the chaos run apart: `make chaos-short`)
-	$(VENV)/bin/pytest -m "not chaos" $(PYTEST_ARGS)
+test: setup lint typecheck  ## the whole test suite, with real sandboxes and the 5-minute chaos run
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 chaos-short: setup  ## the 5-minute chaos run (tests/e2e/test_chaos.py)
 	$(VENV)/bin/pytest -m chaos $(PYTEST_ARGS)

@@ -15,7 +15,7 @@ import pytest
 from bench.chaos import LEASE, Chaos, render
 from tests.e2e.cluster import Cluster, cluster
 
-pytestmark = [pytest.mark.runtime, pytest.mark.postgres, pytest.mark.chaos]
+pytestmark = [pytest.mark.runtime, pytest.mark.postgres, pytest.mark.chaos, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module")
