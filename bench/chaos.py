@@ -357,7 +357,8 @@ def render(r: dict[str, Any]) -> str:
         f"| operations (writes, execs, refused or failed calls) | {json.dumps(r['ops'], sort_keys=True)} |",
         f"| faults injected | {faults} |",
         f"| sandboxes moved (drains) / restored elsewhere (node loss) | {r['moves']} / {r['relocations']} |",
-        f"| a lost node's last heartbeat → its sandbox running elsewhere, p50 / max (s), lease {LEASE} s | "
+        f"| a lost node's last heartbeat → its sandbox running elsewhere, p50 / max (s), "
+        f"lease {r.get('lease', LEASE):g} s | "
         f"{_num(r['relocated_after_s']['p50'])} / {_num(r['relocated_after_s']['max'])} |",
         f"| RPO seen on the rows, max / p99 (s) | {r['rpo_s']['max']:.1f} / {r['rpo_s']['p99']:.1f} |",
         f"| sandboxes not exactly once / failed | {len(r['not_exactly_once'])} / {len(r.get('failed') or {})} |",
@@ -371,6 +372,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--sandboxes", type=int, default=20)
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--lease", type=float, default=LEASE, help="the nodes' fencing lease, seconds")
     ap.add_argument("--out", default=None, help="report path without suffix (default bench/results/<date>-chaos)")
     args = ap.parse_args()
     import anyio
@@ -384,10 +386,10 @@ def main() -> int:
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{date}-chaos"
     with tempfile.TemporaryDirectory(prefix="space-bench-chaos-") as tmp, \
             cluster(Path(tmp), url, apis=2, controllers=2, nodes=3,
-                    node_env={"SPACE_FENCE_AFTER": str(LEASE)}) as cl:
+                    node_env={"SPACE_FENCE_AFTER": f"{args.lease:g}"}) as cl:
         res = Chaos(cl, sandboxes=args.sandboxes, seed=args.seed).run(args.minutes)
         # Saved before the cluster is torn down: half an hour of evidence must not hang on a teardown.
-        res.update(date=date, args=vars(args))
+        res.update(date=date, args=vars(args), lease=args.lease)
         table = render(res)
         print(table)
         out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
