@@ -4,7 +4,8 @@ runtime driver, recorded; the sandboxes' state files are real files under a pool
 - a sandbox the agent had fenced stays frozen and fenced, never thawed
 - a sandbox whose shim froze it while no agent ran (its fence mark) is adopted fenced, from what it
   was, and never thawed; the mark is consumed
-- an ordinary running sandbox is thawed as before (a claim cut short must not stay frozen)
+- an ordinary running sandbox is thawed as before (a claim cut short must not stay frozen); a warm
+  one's mark is consumed without a fence (it has no owner, so no copy elsewhere)
 - later marks (the agent was only stopped) fence at the next watch round; a fenced sandbox is
   neither snapshotted, rolled back nor rebooted, and unfencing thaws it
 """
@@ -83,7 +84,7 @@ def _sandbox(pool: Pool, sid: str, **fields: Any) -> None:
 async def _manager(tmp_path: Path, driver: Driver) -> SandboxManager:
     pool = Pool(tmp_path / "pool")
     for sid, fields in (("agent-fenced", {"fenced": True, "fenced_from": "running", "status": "paused"}),
-                        ("shim-fenced", {}), ("plain", {})):
+                        ("shim-fenced", {}), ("plain", {}), ("warm", {"warm": True})):
         _sandbox(pool, sid, **fields)
     m = SandboxManager(pool, None, driver, guest_dir=tmp_path, channel_dir=tmp_path / "ch")  # type: ignore[arg-type]
     await m.recover()
@@ -91,8 +92,8 @@ async def _manager(tmp_path: Path, driver: Driver) -> SandboxManager:
 
 
 async def test_a_restarted_agent_never_thaws_a_fenced_sandbox(tmp_path: Path) -> None:
-    driver = Driver({"i-agent-fenced": "running", "i-shim-fenced": "running", "i-plain": "running"},
-                    marked={"i-shim-fenced"})
+    driver = Driver({"i-agent-fenced": "running", "i-shim-fenced": "running", "i-plain": "running",
+                     "i-warm": "running"}, marked={"i-shim-fenced", "i-warm"})
     m = await _manager(tmp_path, driver)
     for sid in ("agent-fenced", "shim-fenced"):
         sb = m.get(sid)
@@ -101,15 +102,19 @@ async def test_a_restarted_agent_never_thaws_a_fenced_sandbox(tmp_path: Path) ->
         on_disk = json.loads((m.pool.sandbox_dir(sid) / STATE_FILE).read_text())
         assert on_disk["fenced"] is True  # a second restart still knows
     assert ("thaw", "i-plain") in driver.calls and m.get("plain").status == "running"
+    # A warm sandbox has no copy elsewhere: its mark is consumed, it is not fenced.
+    assert not m.get_warm("warm").fenced  # type: ignore[union-attr]
     assert driver.marked == set()
 
 
 async def test_marks_found_later_fence_and_a_fenced_sandbox_does_nothing_until_released(tmp_path: Path) -> None:
-    driver = Driver({"i-agent-fenced": "running", "i-shim-fenced": "running", "i-plain": "running"}, marked=set())
+    driver = Driver({"i-agent-fenced": "running", "i-shim-fenced": "running", "i-plain": "running",
+                     "i-warm": "running"}, marked=set())
     m = await _manager(tmp_path, driver)
     assert not m.get("shim-fenced").fenced
-    driver.marked.add("i-shim-fenced")  # its shim froze it while this agent was stopped
+    driver.marked |= {"i-shim-fenced", "i-warm"}  # their shims froze them while this agent was stopped
     assert await m.take_fence_marks() == ["shim-fenced"]
+    assert driver.marked == set()
     assert await m.take_fence_marks() == []
     assert m.get("shim-fenced").fenced and m.get("shim-fenced").status == "paused"
     for action in (lambda: m.take_snapshot("shim-fenced", "snap1", "full"),

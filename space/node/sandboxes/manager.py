@@ -223,7 +223,8 @@ class SandboxManager:
             if live in ("running", "created", "paused"):
                 assert sb.instance_id
                 known.add(sb.instance_id)
-                if self.driver.take_fence_mark(self._workdir(sb)) and not sb.fenced and sb.status != "stopping":
+                if (self.driver.take_fence_mark(self._workdir(sb)) and not sb.fenced and not sb.warm
+                        and sb.status != "stopping"):
                     # Its shim froze it while no agent ran (the lease ran out): fenced, as if by us.
                     sb.fenced, sb.fenced_from = True, ("paused" if live == "paused" else "running")
                     log.warning("sandbox.fenced", sandbox=sb.id, was=sb.fenced_from, by="shim")
@@ -622,7 +623,8 @@ class SandboxManager:
         stopped or slow meanwhile): the control plane then says which are still this node's."""
         taken = [sb for sb in tuple(self._sandboxes.values())
                  if sb.instance_id and self.driver.take_fence_mark(self._workdir(sb))]
-        marked = [sb.id for sb in taken if sb.status in ("running", "paused") and not sb.fenced]
+        # A warm sandbox has no owner yet, so no copy elsewhere: frozen is how it waits anyway.
+        marked = [sb.id for sb in taken if sb.status in ("running", "paused") and not sb.fenced and not sb.warm]
         for sid in marked:
             await self.fence(sid)
         if marked:
