@@ -95,6 +95,8 @@ class Controller:
         #: Continuous backup: nodes configured, their reports recorded (``backup_every``: the
         #: deployment's default interval; None backs up only sandboxes whose policy asks).
         self.backups = BackupSync(store, objects, every=backup_every)
+        #: Per node, the follow-up of its last heartbeat still running (:meth:`_follow_up`).
+        self._following: dict[str, asyncio.Task[None]] = {}
         self.lifecycle.backups = self.backups
         self.policies = Policies(store, nodes, self.lifecycle)
         self.leadership = Leadership(store, self.owner, self._lead, lease_seconds=leader_lease_seconds)
@@ -197,13 +199,19 @@ class Controller:
             await self._lead_loop()
         finally:
             heartbeats.cancel()
-            await asyncio.gather(heartbeats, return_exceptions=True)
+            following = list(self._following.values())
+            for t in following:
+                t.cancel()
+            await asyncio.gather(heartbeats, *following, return_exceptions=True)
+            self._following.clear()
 
     async def _heartbeat_loop(self) -> None:
         while True:
             started = time.monotonic()
             try:
-                await self.check_nodes()
+                # What follows a heartbeat (stale copies, backup configuration and records, egress
+                # sync) runs apart: a slow call there must not hold back the next lease renewals.
+                await self.check_nodes(follow_up=False)
             except SpaceError as exc:
                 log.warning("controller.heartbeats_failed", error=str(exc))
             await asyncio.sleep(max(0.05, started + self.reconcile_every - time.monotonic()))
@@ -481,22 +489,25 @@ class Controller:
 
     # -- reconciliation ---------------------------------------------------------------------
 
-    async def check_nodes(self, down_after: float = 15.0) -> None:
+    async def check_nodes(self, down_after: float = 15.0, *, follow_up: bool = True) -> None:
         """Heartbeat every registered node, all at once (a node that does not answer must not hold
         back the others' heartbeats, which renew their fencing leases): a node silent for
         ``down_after`` seconds is ``unreachable`` (not scheduled onto), past its lease ``lost``
-        (:mod:`space.controller.node_loss`), and ``ready`` again when it answers."""
+        (:mod:`space.controller.node_loss`), and ``ready`` again when it answers. ``follow_up``:
+        wait for what follows each answer (:meth:`_follow_up`); otherwise it runs in the
+        background, one at a time per node (a node whose last one still runs gets none now)."""
         now = time.time()
         pools = await self.warm_targets()
         rows = await self.store.list_nodes(None)
-        results = await asyncio.gather(*(self._check_node(row, pools, now, down_after) for row in rows),
+        results = await asyncio.gather(*(self._check_node(row, pools, now, down_after, follow_up) for row in rows),
                                        return_exceptions=True)
         for row, result in zip(rows, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 log.error("node.check_failed", node=row.id, error=repr(result)[:300])
         self.nodes.invalidate_rows()
 
-    async def _check_node(self, row: Node, pools: list[dict[str, Any]], now: float, down_after: float) -> None:
+    async def _check_node(self, row: Node, pools: list[dict[str, Any]], now: float, down_after: float,
+                          follow_up: bool = True) -> None:
         wanted = [] if row.cordoned else pools  # a cordoned node lets its warm sandboxes go
         try:
             node = await self.nodes.client(row.id)
@@ -519,6 +530,24 @@ class Controller:
         if row.state != "ready":
             log.info("node.up", node=row.id)
         await self.store.heartbeat_node(row.id, {k: info.get(k) for k in HEARTBEAT_FIELDS})
+        if follow_up:
+            await self._follow_up(row, node, info)
+            return
+        running = self._following.get(row.id)
+        if running is None or running.done():
+            self._following[row.id] = asyncio.create_task(self._follow_up(row, node, info, log_errors=True))
+
+    async def _follow_up(self, row: Node, node: NodeClient, info: dict[str, Any], *, log_errors: bool = False) -> None:
+        """What a node's answer asks for: its stale copies released or discarded, its backups
+        configured and recorded, its gateway's secrets and audit synced."""
+        try:
+            await self._follow_up_once(row, node, info)
+        except Exception as exc:
+            if not log_errors:
+                raise
+            log.error("node.follow_up_failed", node=row.id, error=repr(exc)[:300])
+
+    async def _follow_up_once(self, row: Node, node: NodeClient, info: dict[str, Any]) -> None:
         await self.node_loss.release_or_discard(row, node, info)
         try:
             await self.backups.sync(row.id, node, info)

@@ -49,12 +49,16 @@ class FakeNode:
     def __init__(self, name: str, sock: Path, log: list[tuple[str, str, str, dict[str, Any]]]) -> None:
         self.name, self.sock, self.log = name, sock, log
         self.info: dict[str, Any] = {"fence": {"lease": LEASE, "fenced": []}, "backups": {}, "warm": []}
+        #: While set to an unset event, a backup configuration waits for it (a slow node call).
+        self.hold_backup: asyncio.Event | None = None
         app = FastAPI()
 
         @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
         async def any_call(path: str, request: Request) -> Response:
             body = await request.json() if request.method in ("POST", "PUT") and await request.body() else {}
             self.log.append((name, request.method, path, {**dict(request.query_params), **body}))
+            if path.endswith("/backup") and request.method == "PUT" and self.hold_backup is not None:
+                await self.hold_backup.wait()
             if path == "node":
                 return JSONResponse(self.info)
             if path.endswith(("/restore", "/restore-backup")):
@@ -338,4 +342,28 @@ async def test_the_backup_interval_is_the_sandboxs_else_its_tenants_else_the_dep
         assert await beat_with(0) == [45.0]
         assert await store.tenant_backup_every(["acme", "other", "nobody"]) == {"other": 0.0}
     finally:
+        await registry.aclose()
+
+
+async def test_a_slow_follow_up_holds_back_no_heartbeat(
+        store: Store, nodes: tuple[FakeNode, FakeNode, list[Any]], tmp_path: Path) -> None:
+    """The leader's heartbeat loop renews every node's lease on time even while what follows one
+    node's answer (here: its backup configuration) hangs; that node gets one follow-up at a time."""
+    a, _, log = nodes
+    objects = ObjectStore.from_url(str(tmp_path / "objects"))
+    sid = await _running_on(store, "node-a")
+    registry = NodeRegistry(store)
+    ctl = Controller(store, registry, objects=objects, backup_every=45.0)
+    a.hold_backup = asyncio.Event()
+    try:
+        for _ in range(3):
+            await asyncio.wait_for(ctl.check_nodes(follow_up=False), 10)
+        for name in ("node-a", "node-b"):
+            assert [p for p, _ in _calls(log, name, "GET")].count("node") == 3
+        await until(lambda: len(_calls(log, "node-a", "PUT")) == 1, 10, "the held backup configuration")
+        assert [p for p, _ in _calls(log, "node-a", "PUT")] == [f"sandboxes/{sid}/backup"]  # one in flight
+    finally:
+        a.hold_backup.set()
+        for task in list(ctl._following.values()):
+            await asyncio.wait_for(task, 10)
         await registry.aclose()
