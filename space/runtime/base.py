@@ -72,8 +72,9 @@ class RuntimeDriver(Protocol):
     def thaw(self, instance_id: str) -> None:
         """Undo :meth:`freeze` (idempotent: a thawed instance stays as it is)."""
 
-    async def kill(self, instance_id: str) -> None:
-        """Kill every process of the instance at once; it still needs :meth:`stop`."""
+    async def kill(self, instance_id: str, workdir: Path) -> None:
+        """Kill every process of the instance at once; it still needs :meth:`stop`. Whatever
+        the driver keeps beside the instance (its shim) goes first."""
 
     async def stop(self, instance_id: str, workdir: Path) -> None:
         """Kill and remove the instance; idempotent (an unknown instance is not an error)."""

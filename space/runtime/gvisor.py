@@ -9,11 +9,13 @@ CPU weight writes stay here: they are on the claim hot path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import structlog
@@ -189,13 +191,13 @@ class GVisorDriver:
         except OSError as exc:
             log.warning("instance.freezer_failed", instance=instance_id, state=state, error=str(exc))
 
-    async def kill(self, instance_id: str) -> None:
+    async def kill(self, instance_id: str, workdir: Path) -> None:
         """Kill every process of the instance now (fast); :meth:`stop` still has to remove it."""
+        await _stop_shim(workdir)
         await self.priv.call("runtime.kill", {"instance": instance_id})
 
     async def stop(self, instance_id: str, workdir: Path) -> None:
-        # The shim first: it must not freeze (fence) the instance while runsc takes it down.
-        _kill_pidfile(workdir / SHIM_PIDFILE)
+        await _stop_shim(workdir)
         await self.priv.call("runtime.delete", {"instance": instance_id})
 
     async def state(self, instance_id: str) -> str | None:
@@ -242,16 +244,38 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def _kill_pidfile(pidfile: Path) -> None:
+def _kill_pidfile(pidfile: Path) -> int | None:
+    """SIGTERM the shim named by ``pidfile``; its pid, or None when there is none to signal."""
     try:
         pid = int(pidfile.read_text().strip())
         # Never signal a recycled pid: it must still be our shim.
         if b"space.runtime.shim" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return
+            return None
     except (OSError, ValueError):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+        return None
+    try:
         os.kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return None
+    return pid
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")  # a zombie is gone: it only waits to be reaped
+
+
+async def _stop_shim(workdir: Path, wait: float = 2.0) -> None:
+    """Stop the instance's shim and wait (bounded) until it is gone: a shim fences its instance
+    when the node's lease runs out, and must not freeze it while runsc kills or removes it (a
+    frozen sentry cannot take the kill)."""
+    pid = _kill_pidfile(workdir / SHIM_PIDFILE)
+    deadline = time.monotonic() + wait
+    while pid is not None and _running(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def _tail(path: Path, n: int = 800) -> str:

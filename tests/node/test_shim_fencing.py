@@ -147,3 +147,33 @@ def test_the_driver_gives_shims_the_lease_only_when_the_node_has_one(tmp_path: P
     assert not driver.take_fence_mark(tmp_path / "w")
     (tmp_path / "w" / FENCE_MARK).write_text("1.0\n")
     assert driver.take_fence_mark(tmp_path / "w") and not driver.take_fence_mark(tmp_path / "w")
+
+
+def test_a_kill_or_stop_ends_the_shim_first_and_waits_for_it(tmp_path: Path) -> None:
+    """A shim must not fence (freeze) its instance while runsc kills it: it is gone before."""
+    import asyncio
+
+    from space.runtime.gvisor import SHIM_PIDFILE, _running, _stop_shim
+
+    to_guest_r, to_guest_w = os.pipe()
+    from_guest_r, from_guest_w = os.pipe()
+    pidfile = tmp_path / SHIM_PIDFILE
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "space.runtime.shim", "--socket", str(tmp_path / "s.sock"),
+         "--to-guest-fd", str(to_guest_w), "--from-guest-fd", str(from_guest_r), "--pidfile", str(pidfile)],
+        pass_fds=(to_guest_w, from_guest_r))
+    for fd in (to_guest_w, from_guest_r):
+        os.close(fd)
+    try:
+        wait_for(pidfile.exists, 10, "the shim's pidfile")
+        assert _running(proc.pid)
+        asyncio.run(_stop_shim(tmp_path))
+        assert not _running(proc.pid)  # exited (a zombie until reaped) when the call returned
+        assert proc.wait(timeout=1) == 0
+        asyncio.run(_stop_shim(tmp_path))  # gone: nothing to do, no error
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for fd in (to_guest_r, from_guest_w):
+            os.close(fd)

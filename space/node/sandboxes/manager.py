@@ -470,7 +470,7 @@ class SandboxManager:
             return
         old = sb.instance_id
         if old:
-            await self.driver.kill(old)
+            await self.driver.kill(old, self._workdir(sb))
         await self._release_network(sb.id)
         trash = self.pool.root / TRASH / f"{sb.id}-{ids.token(4)}"
         trash.parent.mkdir(exist_ok=True)
@@ -1095,7 +1095,7 @@ class SandboxManager:
             await self.driver.stop(old, workdir)
             await asyncio.to_thread(shutil.rmtree, workdir, True)
             return
-        await self.driver.kill(old)
+        await self.driver.kill(old, workdir)
         await self.pool.delete_subvolume(defer_to)  # a retry's leftover of the same instance
         await asyncio.to_thread(os.rename, self._dir(sb.id) / "rootfs", defer_to)
 
