@@ -13,7 +13,7 @@ import contextlib
 import datetime as dt
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -24,7 +24,7 @@ from space.controller.backups import BackupSync
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.moves import Moves
-from space.controller.node_loss import NodeLoss
+from space.controller.node_loss import NodeLoss, node_lease
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
 from space.controller.template_ops import TemplateOps
@@ -69,6 +69,20 @@ LEASE_SAFETY = 0.8
 MAX_ATTEMPTS = 5
 
 
+#: Heartbeats per lease: a lease runs from the arrival of the heartbeat before the last (the one
+#: the last acknowledged), so it must span two periods and survive a lost heartbeat or two.
+BEATS_PER_LEASE = 5
+#: The shortest heartbeat period, whatever a node's lease.
+MIN_BEAT_EVERY = 0.5
+
+
+def heartbeat_period(rows: Iterable[Node], most: float) -> float:
+    """Seconds between heartbeat rounds for these nodes: a fifth of the shortest lease among them
+    (at least :data:`MIN_BEAT_EVERY`), and ``most`` when none has a lease."""
+    periods = [max(MIN_BEAT_EVERY, lease / BEATS_PER_LEASE) for row in rows if (lease := node_lease(row)) is not None]
+    return min([most, *periods])
+
+
 class Controller:
     def __init__(
         self,
@@ -95,6 +109,9 @@ class Controller:
         #: Continuous backup: nodes configured, their reports recorded (``backup_every``: the
         #: deployment's default interval; None backs up only sandboxes whose policy asks).
         self.backups = BackupSync(store, objects, every=backup_every)
+        #: Seconds between heartbeat rounds: a fifth of the shortest node lease, at most the
+        #: reconcile period (:func:`heartbeat_period`).
+        self.beat_every = reconcile_every
         #: Per node, the follow-up of its last heartbeat still running (:meth:`_follow_up`).
         self._following: dict[str, asyncio.Task[None]] = {}
         self.lifecycle.backups = self.backups
@@ -214,7 +231,7 @@ class Controller:
                 await self.check_nodes(follow_up=False)
             except SpaceError as exc:
                 log.warning("controller.heartbeats_failed", error=str(exc))
-            await asyncio.sleep(max(0.05, started + self.reconcile_every - time.monotonic()))
+            await asyncio.sleep(max(0.05, started + self.beat_every - time.monotonic()))
 
     async def _lead_loop(self) -> None:
         last_reconcile = last_policy = -float("inf")
@@ -499,6 +516,7 @@ class Controller:
         now = time.time()
         pools = await self.warm_targets()
         rows = await self.store.list_nodes(None)
+        self.beat_every = heartbeat_period(rows, self.reconcile_every)
         results = await asyncio.gather(*(self._check_node(row, pools, now, down_after, follow_up) for row in rows),
                                        return_exceptions=True)
         for row, result in zip(rows, results, strict=True):

@@ -367,3 +367,19 @@ async def test_a_slow_follow_up_holds_back_no_heartbeat(
         for task in list(ctl._following.values()):
             await asyncio.wait_for(task, 10)
         await registry.aclose()
+
+
+def test_heartbeats_come_five_times_per_shortest_lease_and_no_slower_than_reconcile() -> None:
+    """A lease runs from the heartbeat before the last: with 5 s heartbeats a 6 s lease ran out
+    between every two of them."""
+    from types import SimpleNamespace
+
+    from space.controller.controller import heartbeat_period
+
+    def row(lease: float | None) -> Any:
+        return SimpleNamespace(capacity={"fence": {"lease": lease}} if lease is not None else {})
+
+    assert heartbeat_period([row(6), row(30), row(None)], 5.0) == pytest.approx(1.2)
+    assert heartbeat_period([row(30)], 5.0) == 5.0  # the default lease: the reconcile period
+    assert heartbeat_period([row(1)], 5.0) == 0.5  # never busier than twice a second
+    assert heartbeat_period([row(None)], 5.0) == 5.0 and heartbeat_period([], 5.0) == 5.0
