@@ -233,26 +233,26 @@ def test_a_stopped_agent_cannot_fence_so_its_shims_freeze_its_sandboxes_before_a
         primary: Server, api: httpx.Client, tmp_path: Path) -> None:
     """The node agent alone is SIGSTOPped (a hung agent): its sandboxes' runtimes live on and no
     agent is there to freeze them. Their shims do, once the published lease end is past."""
-    with further_node(primary, api, "node-e", tmp_path) as e, further_node(primary, api, "node-f", tmp_path):
-        sid = _on(api, e)
+    with further_node(primary, api, "node-f", tmp_path) as f, further_node(primary, api, "node-g", tmp_path):
+        sid = _on(api, f)
         try:
             r = api.post(f"/v1/sandboxes/{sid}/commands", json={
                 "shell": "while :; do date +%s%3N >> /home/user/clock; sleep 0.1; done"})
             assert r.status_code == 201, r.text
-            clock = e.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
+            clock = f.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
             wait_for(lambda: clock.exists() and clock.stat().st_size > 0, 30, "the writer to write")
             _durable_after(api, sid, dt.datetime.now(dt.UTC), "a backup of the running sandbox")
-            instance = json.loads((e.data_dir / "pool" / "sandboxes" / sid / "state.json").read_text())["instance_id"]
+            instance = json.loads((f.data_dir / "pool" / "sandboxes" / sid / "state.json").read_text())["instance_id"]
             freezer = Path("/sys/fs/cgroup/freezer/space") / instance / "freezer.state"
             assert freezer.read_text().strip() == "THAWED"
-            assert e.proc is not None
-            os.kill(e.proc.pid, signal.SIGSTOP)  # the agent only: helper, gateway, shims and runsc run on
+            assert f.proc is not None
+            os.kill(f.proc.pid, signal.SIGSTOP)  # the agent only: helper, gateway, shims and runsc run on
             try:
                 # No agent runs: only the shim can freeze it, a grace after the lease's end.
                 wait_for(lambda: freezer.read_text().strip() == "FROZEN", LEASE + 30, "the shim to freeze it")
                 def elsewhere() -> dict[str, Any] | None:
                     sb: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}").json()
-                    return sb if sb["state"] == "running" and sb["node_id"] not in (None, "node-e") else None
+                    return sb if sb["state"] == "running" and sb["node_id"] not in (None, "node-f") else None
                 moved = wait_for(elsewhere, 120, "the sandbox to run on another node")
                 lost = [ev for ev in _events(api, sid) if ev["kind"] == "node_lost"][-1]
                 # Frozen by its shim (no agent ran) before the node was even declared lost.
@@ -262,8 +262,8 @@ def test_a_stopped_agent_cannot_fence_so_its_shims_freeze_its_sandboxes_before_a
                 assert sh(api, sid, "cat /home/user/clock | wc -l").strip().isdigit()  # the new copy answers
                 assert clock.stat().st_size == size, "the old copy wrote on"
             finally:
-                os.kill(e.proc.pid, signal.SIGCONT)
-            wait_for(lambda: not (e.data_dir / "pool" / "sandboxes" / sid).exists(), 90,
+                os.kill(f.proc.pid, signal.SIGCONT)
+            wait_for(lambda: not (f.data_dir / "pool" / "sandboxes" / sid).exists(), 90,
                      "the returning agent to discard its stale copy")
             assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == moved["node_id"]
         finally:
