@@ -113,4 +113,4 @@ def backup(
     if as_json:
         output.print_json(view)
     else:
-        output.info(f"tenant {view.get('tenant')}: backup {_every_text(view)}")
+        output.line(f"tenant {view.get('tenant')}: backup {_every_text(view)}")
