@@ -195,6 +195,16 @@ class Cluster:
         self.controllers.append(p)
         return p
 
+    def wait_template_ready(self, name: str, timeout: float = 900) -> None:
+        """The deployment's first build of ``name`` is placed on whichever node is ready first: on
+        node-a (the host's template cache) it is an import, elsewhere a debootstrap of minutes.
+        Scenarios wait on their own operations with shorter deadlines, so the fixture waits here."""
+        def ready() -> bool:
+            with self.client(0) as api:
+                r = api.get(f"/v1/templates/{name}")
+            return r.status_code == 200 and r.json().get("status") == "ready"
+        wait_for(ready, timeout, f"template {name} to be built", interval=1)
+
     def join_token(self, **body: object) -> str:
         with self.client(0) as api:
             r = api.post("/v1/nodes/tokens", json={"ttl_seconds": 600, **body})
@@ -295,6 +305,7 @@ def cluster(work: Path, database_url: str, *, apis: int = 2, controllers: int = 
             for i in range(nodes):
                 c.start_node(f"node-{chr(ord('a') + i)}", host_cache=i == 0, control=i % apis)
             c.wait_nodes_ready()
+            c.wait_template_ready("base")
             yield c
         finally:
             c.teardown()

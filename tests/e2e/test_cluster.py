@@ -437,7 +437,9 @@ def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controlle
     with c.client(0) as a, c.client(1) as b:
         try:
             for other in ("node-b", "node-c"):
-                r = b.post(f"/v1/nodes/{other}/cordon")
+                # Through the replica that creates: another replica's placement sees a cordon
+                # within its node rows' cache (1 s), this one's at once.
+                r = a.post(f"/v1/nodes/{other}/cordon")
                 assert r.status_code == 200 and r.json()["cordoned"] and not r.json()["schedulable"], r.text
             try:
                 for _ in range(10):
