@@ -131,15 +131,18 @@ class Fence:
                 "fenced": sorted(sb.id for sb in self.manager.list() if sb.fenced)}
 
     async def watch(self, every: float = 0.25) -> None:
-        """Fence every running sandbox once the lease has run out; again for any that appears."""
+        """Fence every running sandbox once the lease has run out; again for any that appears.
+        With a lease, also the sandboxes whose shims froze them (marks); without one no shim
+        fences, and recover() took any marks left from an earlier run."""
         while True:
             if self.expired():
                 await self.fence_all()
-            try:
-                if await self.manager.take_fence_marks():
-                    self.fenced_at = time.time()
-            except Exception:  # the marks stay where they are until the next round
-                log.exception("fence.marks_failed")
+            if self.lease is not None:
+                try:
+                    if await self.manager.take_fence_marks():
+                        self.fenced_at = time.time()
+                except Exception:  # the marks stay where they are until the next round
+                    log.exception("fence.marks_failed")
             await asyncio.sleep(every)
 
     async def fence_all(self) -> list[str]:
