@@ -107,6 +107,25 @@ def _durable_after(api: httpx.Client, sid: str, moment: dt.datetime, what: str) 
     return wait_for(fresh, 60, what)  # type: ignore[no-any-return]
 
 
+def _clock_writer(api: httpx.Client, sid: str, node: NodeAgent) -> Path:
+    """A writer in the sandbox appending the wall clock (ms) ten times a second to its own disk,
+    backed up once: the file on ``node``'s copy of its root."""
+    r = api.post(f"/v1/sandboxes/{sid}/commands", json={
+        "shell": "while :; do date +%s%3N >> /home/user/clock; sleep 0.1; done"})
+    assert r.status_code == 201, r.text
+    clock = node.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
+    wait_for(lambda: clock.exists() and clock.stat().st_size > 0, 30, "the writer to write")
+    _durable_after(api, sid, dt.datetime.now(dt.UTC), "a backup of the running sandbox")
+    return clock
+
+
+def _running_elsewhere(api: httpx.Client, sid: str, old: str) -> dict[str, Any]:
+    def elsewhere() -> dict[str, Any] | None:
+        sb: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}").json()
+        return sb if sb["state"] == "running" and sb["node_id"] not in (None, old) else None
+    return wait_for(elsewhere, 120, "the sandbox to run on another node")  # type: ignore[no-any-return]
+
+
 def _node_processes(node: NodeAgent) -> list[int]:
     """Every process of the node: its agent, its helper and gateway, its sandboxes' runsc."""
     marks = (str(node.data_dir).encode(), str(channel_dir_for(node.data_dir)).encode())
@@ -195,20 +214,12 @@ def test_a_partitioned_node_freezes_its_copy_before_another_runs_and_discards_it
         sid = _on(api, d)
         try:
             # A writer appending the wall clock (ms) ten times a second to its own disk.
-            r = api.post(f"/v1/sandboxes/{sid}/commands", json={
-                "shell": "while :; do date +%s%3N >> /home/user/clock; sleep 0.1; done"})
-            assert r.status_code == 201, r.text
-            clock = d.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
-            wait_for(lambda: clock.exists() and clock.stat().st_size > 0, 30, "the writer to write")
-            _durable_after(api, sid, dt.datetime.now(dt.UTC), "a backup of the running sandbox")
+            clock = _clock_writer(api, sid, d)
 
             marker = d.data_dir.parent / "partitioned"
             marker.touch()
 
-            def elsewhere() -> dict[str, Any] | None:
-                sb: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}").json()
-                return sb if sb["state"] == "running" and sb["node_id"] not in (None, "node-d") else None
-            moved = wait_for(elsewhere, 120, "the sandbox to run on another node")
+            moved = _running_elsewhere(api, sid, "node-d")
             lost = [e for e in _events(api, sid) if e["kind"] == "node_lost"][-1]
             # The old copy froze itself (its lease ran out) before the control plane even declared
             # its node lost, let alone placed the sandbox anew: its writer's last line is older.
@@ -236,12 +247,7 @@ def test_a_stopped_agent_cannot_fence_so_its_shims_freeze_its_sandboxes_before_a
     with further_node(primary, api, "node-f", tmp_path) as f, further_node(primary, api, "node-g", tmp_path):
         sid = _on(api, f)
         try:
-            r = api.post(f"/v1/sandboxes/{sid}/commands", json={
-                "shell": "while :; do date +%s%3N >> /home/user/clock; sleep 0.1; done"})
-            assert r.status_code == 201, r.text
-            clock = f.data_dir / "pool" / "sandboxes" / sid / "rootfs" / "home" / "user" / "clock"
-            wait_for(lambda: clock.exists() and clock.stat().st_size > 0, 30, "the writer to write")
-            _durable_after(api, sid, dt.datetime.now(dt.UTC), "a backup of the running sandbox")
+            clock = _clock_writer(api, sid, f)
             instance = json.loads((f.data_dir / "pool" / "sandboxes" / sid / "state.json").read_text())["instance_id"]
             freezer = Path("/sys/fs/cgroup/freezer/space") / instance / "freezer.state"
             assert freezer.read_text().strip() == "THAWED"
@@ -250,10 +256,7 @@ def test_a_stopped_agent_cannot_fence_so_its_shims_freeze_its_sandboxes_before_a
             try:
                 # No agent runs: only the shim can freeze it, a grace after the lease's end.
                 wait_for(lambda: freezer.read_text().strip() == "FROZEN", LEASE + 30, "the shim to freeze it")
-                def elsewhere() -> dict[str, Any] | None:
-                    sb: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}").json()
-                    return sb if sb["state"] == "running" and sb["node_id"] not in (None, "node-f") else None
-                moved = wait_for(elsewhere, 120, "the sandbox to run on another node")
+                moved = _running_elsewhere(api, sid, "node-f")
                 lost = [ev for ev in _events(api, sid) if ev["kind"] == "node_lost"][-1]
                 # Frozen by its shim (no agent ran) before the node was even declared lost.
                 last_old = int(clock.read_text().split()[-1])
