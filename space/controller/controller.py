@@ -42,7 +42,7 @@ from space.errors import (
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
-from space.store import Node, Operation, Store
+from space.store import Node, Operation, Store, fencing
 from space.store.models import AuditRecord
 from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeups
 
@@ -279,7 +279,9 @@ class Controller:
         keeper = asyncio.create_task(self._keep_lease(op, me, lost), name=f"lease:{op.id}")
         bound = log.bind(op=op.id, kind=op.kind, target=op.target, attempt=op.attempts)
         try:
-            await self._carry_out(op, bound)
+            # Every write of the handler is fenced by the lease (the keeper, started before, is not).
+            with fencing.fenced(op.id, self.owner):
+                await self._carry_out(op, bound)
         except asyncio.CancelledError:
             if lost.is_set() and me.uncancel() == 0:
                 bound.warning("operation.fenced", hint="its lease was lost: the holder finishes it")
@@ -303,6 +305,8 @@ class Controller:
             # One operation at a time per target, in order, is the claim's rule
             # (Store.claim_operation), across every replica.
             result = await handler(op)
+        except LeaseLost:
+            raise  # fenced: the lease's holder carries it out (_execute)
         except SpaceError as exc:
             if exc.retryable and op.attempts < MAX_ATTEMPTS:
                 # Leave it running: the lease expires and a later claim retries it.

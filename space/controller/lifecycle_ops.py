@@ -21,7 +21,7 @@ from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, Snaps
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
-from space.store import Operation, Sandbox, Snapshot, Store
+from space.store import Operation, Sandbox, Snapshot, Store, fencing
 from space.store.models import AuditRecord
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ class LifecycleOps:
         return snap
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
+        # It outlives the operation: its writes are not fenced by the operation's lease.
+        task = asyncio.create_task(work, context=fencing.unfenced_context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -245,7 +246,7 @@ class LifecycleOps:
                          reason="idle" if op.request.get("idle") else "request")
         # Only now may the node's copy go. It is not waited for (removing a runtime instance takes
         # over a second); if it fails, reconcile removes the copy: nobody wants it any more.
-        self._evictions[sb.id] = asyncio.create_task(self._evict(node, sb.id))
+        self._evictions[sb.id] = asyncio.create_task(self._evict(node, sb.id), context=fencing.unfenced_context())
         return {"sandbox_id": sb.id, "snapshot": snap_id, "uploaded_bytes": res.get("bytes")}
 
     async def carry_snapshots(self, sb: Sandbox, node: NodeClient, *, keep: str, why: str) -> None:

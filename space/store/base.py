@@ -17,9 +17,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import sessionmaker
 
-from space.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
-from space.store import db
-from space.store.models import Base, utcnow
+from space.errors import Conflict, Internal, InvalidRequest, LeaseLost, NotFound, Unavailable
+from space.store import db, fencing
+from space.store.models import Base, Operation, utcnow
 from space.store.wakeups import LocalWakeups, for_engine
 
 # One logger for the whole store, under the name it had when the store was one module.
@@ -90,13 +90,18 @@ class StoreBase:
 
     @contextlib.asynccontextmanager
     async def _tx(self, *, write: bool = True) -> AsyncIterator[AsyncSession]:
+        fence = fencing.current() if write else None
         if write and self._write_lock is not None:
             # SQLite has one writer at a time anyway: queueing our own writers here is much
             # cheaper than letting them poll the file lock in SQLite's busy handler.
             async with self._write_lock, self._session(write) as s:
+                if fence is not None:
+                    await _check_fence(s, fence)
                 yield s
         else:
             async with self._session(write) as s:
+                if fence is not None:
+                    await _check_fence(s, fence)
                 yield s
 
     @contextlib.asynccontextmanager
@@ -128,6 +133,19 @@ class StoreBase:
         if row is None:
             raise NotFound(f"{what} {key} not found")
         return row
+
+
+async def _check_fence(s: AsyncSession, fence: fencing.Fence) -> None:
+    """First in a fenced write transaction: the operation's row locked (exclusively, so that two
+    fenced writes of one operation queue rather than deadlock upgrading a shared lock) and its
+    lease still ``fence.owner``'s (:mod:`space.store.fencing`)."""
+    row = (await s.execute(select(Operation.lease_owner, Operation.status)
+                           .where(Operation.id == fence.op_id).with_for_update())).first()
+    if row is None or row.status != "running" or row.lease_owner != fence.owner:
+        holder = None if row is None else row.lease_owner
+        raise LeaseLost(f"operation {fence.op_id} is no longer leased to {fence.owner!r}"
+                        + ("" if row is None else f" ({row.status}, leased by {holder!r})"),
+                        lease_owner=holder)
 
 
 def _check_choice(what: str, value: Any, allowed: Sequence[str]) -> None:

@@ -24,6 +24,7 @@ import base64
 import concurrent.futures
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -253,11 +254,12 @@ def test_fifty_concurrent_creates_across_replicas_exist_once_and_the_quota_holds
             assert r.json()["error"]["code"] == "quota_exceeded"
             return 429, None
         assert r.status_code == 202, r.text
+        accepted.append(str(r.json()["sandbox"]["id"]))  # deleted at the end, whatever fails
         done = wait_operation(clients[i], r.json()["operation"]["id"], timeout=600)
-        assert done["status"] == "succeeded", done
+        assert done["status"] == "succeeded", (done.get("error"), done)
         return 202, str(r.json()["sandbox"]["id"])
 
-    made: list[str] = []
+    accepted: list[str] = []
     try:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             results = list(pool.map(create, range(n)))
@@ -270,7 +272,7 @@ def test_fifty_concurrent_creates_across_replicas_exist_once_and_the_quota_holds
         on_nodes = [sid for ids in node_sandboxes(deployment).values() for sid in ids if sid in made]
         assert sorted(on_nodes) == sorted(made), "a sandbox is missing on its node or exists twice"
     finally:
-        for sid in made:
+        for sid in accepted:
             _delete(clients[0], sid)
         for c in clients:
             c.close()
@@ -434,6 +436,7 @@ def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controlle
     c = deployment
     sids: list[str] = []
     cids: dict[str, str] = {}
+    stop_at = [10**9]
     with c.client(0) as a, c.client(1) as b:
         try:
             for other in ("node-b", "node-c"):
@@ -460,61 +463,71 @@ def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controlle
 
             # The SDK follows sids[0]'s counter over replica B through the whole drain.
             followed: list[int] = []
-            stop_at = [10**9]
+            stop_at[0] = 10**9
+            failure: list[BaseException] = []
 
             def follow() -> None:
-                with Client(c.api_url(1), c.admin_key) as sdk:
-                    buf = b""
-                    for ev in sdk.sandboxes.ref(sids[0]).get_command(cids[sids[0]]).events():
-                        buf += ev.data
-                        *done, buf = buf.split(b"\n")
-                        followed.extend(int(x) for x in done if x)
-                        if followed and followed[-1] >= stop_at[0]:
-                            return
+                try:
+                    with Client(c.api_url(1), c.admin_key) as sdk:
+                        buf = b""
+                        for ev in sdk.sandboxes.ref(sids[0]).get_command(cids[sids[0]]).events():
+                            buf += ev.data
+                            *done, buf = buf.split(b"\n")
+                            followed.extend(int(x) for x in done if x)
+                            if followed and followed[-1] >= stop_at[0]:
+                                return
+                except BaseException as exc:  # handed to the test's thread
+                    failure.append(exc)
 
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                follower = pool.submit(follow)
-                c.move_stall_marker.unlink()  # armed: the first move to switch nodes stalls there
-                r = a.post("/v1/nodes/node-a/drain", json={"parallel": 3})
-                assert r.status_code == 202, r.text
-                drain_id = r.json()["operation"]["id"]
-                assert r.json()["node"]["cordoned"]
-                victim = wait_for(lambda: _controller_stalled_at(c, "controller.move.after_switch"), 180,
-                                  "a controller to stall after switching a move to its new node")
-                victim.kill()
-                c.start_controller()  # back to two
-                op = wait_operation(a, drain_id, timeout=600)
-                assert op["status"] == "succeeded", op
-                assert sorted(op["result"]["moved"]) == sorted(sids)
-                assert op["progress"]["remaining"] == 0 and op["progress"]["failed"] == 0
+            # A daemon thread, not an executor: when an assertion below fails, leaving an executor
+            # would wait for a stream that never ends, and turn the failure into a timeout.
+            follower = threading.Thread(target=follow, name="sdk-follower", daemon=True)
+            follower.start()
+            c.move_stall_marker.unlink()  # armed: the first move to switch nodes stalls there
+            r = a.post("/v1/nodes/node-a/drain", json={"parallel": 3})
+            assert r.status_code == 202, r.text
+            drain_id = r.json()["operation"]["id"]
+            assert r.json()["node"]["cordoned"]
+            victim = wait_for(lambda: _controller_stalled_at(c, "controller.move.after_switch"), 180,
+                              "a controller to stall after switching a move to its new node")
+            victim.kill()
+            c.start_controller()  # back to two
+            op = wait_operation(a, drain_id, timeout=600)
+            assert op["status"] == "succeeded", op
+            assert sorted(op["result"]["moved"]) == sorted(sids)
+            assert op["progress"]["remaining"] == 0 and op["progress"]["failed"] == 0
 
-                # Every sandbox exactly once, none on node-a, where its row says.
-                placed = node_sandboxes(c)
-                assert not set(sids) & set(placed["node-a"]), placed["node-a"]
-                for sid in sids:
-                    holders = [n for n, ids in placed.items() if sid in ids]
-                    row = b.get(f"/v1/sandboxes/{sid}").json()
-                    assert holders == [row["node_id"]], (sid, holders, row["node_id"])
-                    assert row["state"] == ("paused" if sid == paused else "running"), row
-                    moved = [e for e in b.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "moved"]
-                    assert len(moved) == 1 and moved[0]["data"]["from_node"] == "node-a", moved
-                node_a = a.get("/v1/nodes/node-a").json()
-                assert node_a["cordoned"] and node_a["state"] == "ready"
+            # Every sandbox exactly once, none on node-a, where its row says.
+            placed = node_sandboxes(c)
+            assert not set(sids) & set(placed["node-a"]), placed["node-a"]
+            for sid in sids:
+                holders = [n for n, ids in placed.items() if sid in ids]
+                row = b.get(f"/v1/sandboxes/{sid}").json()
+                assert holders == [row["node_id"]], (sid, holders, row["node_id"])
+                assert row["state"] == ("paused" if sid == paused else "running"), row
+                moved = [e for e in b.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "moved"]
+                assert len(moved) == 1 and moved[0]["data"]["from_node"] == "node-a", moved
+            node_a = a.get("/v1/nodes/node-a").json()
+            assert node_a["cordoned"] and node_a["state"] == "ready"
 
-                # The counters count on from where they were: their memory came along.
-                for sid in sids[:-1]:
-                    got = _numbers(b, sid, cids[sid], before[sid] + 4)
-                    assert got == list(range(1, len(got) + 1)), (sid, got)
-                assert b.get(f"/v1/sandboxes/{paused}").json()["state"] == "paused"
-                assert wait_operation(b, b.post(f"/v1/sandboxes/{paused}/resume").json()["operation"]["id"])[
-                    "status"] == "succeeded"
-                got = _numbers(b, paused, cids[paused], before[paused] + 2)
-                assert got == list(range(1, len(got) + 1)), got
+            # The counters count on from where they were: their memory came along.
+            for sid in sids[:-1]:
+                got = _numbers(b, sid, cids[sid], before[sid] + 4)
+                assert got == list(range(1, len(got) + 1)), (sid, got)
+            assert b.get(f"/v1/sandboxes/{paused}").json()["state"] == "paused"
+            assert wait_operation(b, b.post(f"/v1/sandboxes/{paused}/resume").json()["operation"]["id"])[
+                "status"] == "succeeded"
+            got = _numbers(b, paused, cids[paused], before[paused] + 2)
+            assert got == list(range(1, len(got) + 1)), got
 
-                stop_at[0] = _numbers(b, sids[0], cids[sids[0]], 1)[-1] + 2
-                follower.result(timeout=120)
+            stop_at[0] = _numbers(b, sids[0], cids[sids[0]], 1)[-1] + 2
+            follower.join(timeout=120)
+            assert not follower.is_alive(), "the SDK's stream did not reach the end counter"
+            if failure:
+                raise failure[0]
             assert followed == list(range(1, len(followed) + 1)) and followed[-1] >= stop_at[0], followed[-20:]
         finally:
+            stop_at[0] = -1  # a follower still reading returns at its next line
             c.move_stall_marker.touch()
             for sid in sids:
                 _delete(a, sid)

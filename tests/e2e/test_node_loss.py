@@ -153,15 +153,17 @@ def test_the_disk_is_shipped_as_it_changes_and_the_sandbox_outlives_its_killed_n
         assert api.put("/v1/tenants/default/backup", json={"every": "1s"}).json()["every"] == 1
         sid = _on(api, b, {k: v for k, v in POLICY.items() if k != "backup_every"})
         try:
-            first = dt.datetime.now(dt.UTC)
+            # Each moment is taken once the write is on disk: a look between an earlier moment and
+            # the write would rightly find nothing changed, and be newer than that moment.
             sh(api, sid, "echo one > /home/user/one.txt && sync")
+            first = dt.datetime.now(dt.UTC)
             after_one = _durable_after(api, sid, first, "the first write to be backed up")
             assert after_one["chain"] and after_one["links"] >= 1 and after_one["rpo_s"] < 30, after_one
             # Nothing changes: no link is shipped, but what is durable is as of the newer look.
             idle = _durable_after(api, sid, dt.datetime.fromisoformat(after_one["disk_at"]), "an idle look")
             assert (idle["chain"], idle["links"]) == (after_one["chain"], after_one["links"]), idle
-            second = dt.datetime.now(dt.UTC)
             sh(api, sid, "head -c 300000 /dev/urandom > /home/user/two.bin && sync")
+            second = dt.datetime.now(dt.UTC)
             digest = sh(api, sid, "sha256sum /home/user/two.bin").split()[0]
             after_two = _durable_after(api, sid, second, "the second write to be backed up")
             assert after_two["links"] > after_one["links"], (after_one, after_two)
