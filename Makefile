@@ -6,10 +6,11 @@ DATA_DIR ?= /var/lib/space
 LISTEN ?= 127.0.0.1:8080
 PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
+DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: setup system python gateway access run test lint typecheck check bench chaos chaos-short clean-dev
+.PHONY: setup system python gateway deploy-tools access run test lint typecheck check bench chaos chaos-short clean-dev
 
-setup: system python gateway access  ## install system packages and the Python environments (idempotent)
+setup: system python gateway deploy-tools access  ## install system packages and the Python environments (idempotent)
 
 system:
 	@if [ "$$(id -u)" -ne 0 ]; then sudo bash scripts/setup-system.sh; else bash scripts/setup-system.sh; fi
@@ -31,6 +32,14 @@ $(GW_VENV)/.installed: gateway-requirements.txt pyproject.toml
 	$(GW_VENV)/bin/python -m pip install -q --upgrade pip
 	$(GW_VENV)/bin/python -m pip install -q -r gateway-requirements.txt
 	$(GW_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+deploy-tools: $(DEPLOY_VENV)/.installed  ## the manifests' validators (kubernetes-validate, checkov), in a venv of their own
+
+$(DEPLOY_VENV)/.installed: deploy-requirements.txt
+	test -x $(DEPLOY_VENV)/bin/python || python3 -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy-requirements.txt
 	touch $@
 
 access: python gateway  ## the service users (`space`: the API; `space-node`: the node agent; `space-gw`: the egress gateway) can reach their Python and this checkout

@@ -59,6 +59,10 @@ class ControlPlaneSettings:
     keys_dir: Path | None = None
     #: ``HOST:PORT`` the API listens on (``space api``).
     listen: str = "0.0.0.0:8080"
+    #: Serve HTTPS with this certificate chain and key (PEM files); None: plain HTTP, for a load
+    #: balancer or ingress that terminates TLS. Nodes join only over https (or loopback http).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     max_upload_bytes: int = 1 << 30
     sandbox_disk_mb: int = 10240
     operator_tenant: str = "default"
@@ -67,6 +71,9 @@ class ControlPlaneSettings:
     default_quota: dict[str, Any] | None = None
     bootstrap_templates: tuple[str, ...] = ("base",)
     lease_seconds: float = 10.0
+    #: A file the controller touches every few seconds while its event loop turns (a liveness probe
+    #: compares its age: a wedged controller is restarted).
+    health_file: Path | None = None
     #: Seconds between continuous-backup looks for sandboxes whose policy does not say (None: off).
     backup_every: float | None = 45.0
 
@@ -160,10 +167,13 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
             op, _ = await queue_build(state, name, spec, tenant=settings.operator_tenant)
             log.info("template.bootstrap_build", template=name, operation=op.id)
         host, _, port = settings.listen.rpartition(":")
+        tls = settings.tls_cert_file is not None
         server = GracefulServer(uvicorn.Config(
             create_app(state), host=host or "0.0.0.0", port=int(port), log_level="warning", access_log=False,
-            lifespan="off", timeout_graceful_shutdown=5, http=BoundedHttp))
-        log.info("api.listening", url=f"http://{settings.listen}")
+            lifespan="off", timeout_graceful_shutdown=5, http=BoundedHttp,
+            ssl_certfile=str(settings.tls_cert_file) if tls else None,
+            ssl_keyfile=str(settings.tls_key_file) if tls else None))
+        log.info("api.listening", url=f"{'https' if tls else 'http'}://{settings.listen}")
         try:
             await server.serve()
         finally:
@@ -175,17 +185,71 @@ async def run_controller(settings: ControlPlaneSettings) -> None:
     env = childenv.snapshot()
     childenv.confine_self("api")
     async with open_control_plane(settings, "controller", env) as cp:
-        await cp.controller.sync_templates()
-        await cp.controller.run()
+        beat = asyncio.create_task(_touch_health(settings.health_file)) if settings.health_file else None
+        try:
+            await cp.controller.sync_templates()
+            await cp.controller.run()
+        finally:
+            if beat is not None:
+                beat.cancel()
+
+
+#: Seconds between touches of the controller's health file.
+HEALTH_EVERY = 5.0
+
+
+async def _touch_health(path: Path) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(path.touch)
+        except OSError as e:
+            log.warning("controller.health_file_failed", path=str(path), error=e.strerror)
+        await asyncio.sleep(HEALTH_EVERY)
 
 
 #: ``$SPACE_BOOTSTRAP_ADMIN_KEY``: the operator's first admin key, given to the API replicas, which
 #: store it (hashed) if the deployment has no key at all. Once any key exists it is ignored.
 BOOTSTRAP_KEY_ENV = "SPACE_BOOTSTRAP_ADMIN_KEY"
+#: ... or a file holding it (a mounted Secret that may be absent: then there is none).
+BOOTSTRAP_KEY_FILE_ENV = "SPACE_BOOTSTRAP_ADMIN_KEY_FILE"
+
+
+def bootstrap_key(env: Mapping[str, str]) -> str:
+    """The first admin key from ``$SPACE_BOOTSTRAP_ADMIN_KEY``, else from the file
+    ``$SPACE_BOOTSTRAP_ADMIN_KEY_FILE`` names (missing: no key)."""
+    key = env.get(BOOTSTRAP_KEY_ENV, "").strip()
+    file = env.get(BOOTSTRAP_KEY_FILE_ENV, "").strip()
+    if key or not file:
+        return key
+    try:
+        return read_small_file(Path(file), "the bootstrap admin key").strip()
+    except FileNotFoundError:
+        return ""
+
+
+#: The most a file holding one secret value (a key, a database URL) may hold.
+MAX_SECRET_FILE = 64 * 1024
+
+
+def read_small_file(path: Path, what: str) -> str:
+    """A secret value mounted as a file (a Kubernetes Secret), bounded; FileNotFoundError if absent."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StartupError(f"cannot read {what} from {path}: {e.strerror}") from None
+    if len(data) > MAX_SECRET_FILE:
+        raise StartupError(f"{path} is larger than {MAX_SECRET_FILE} bytes: not {what}")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise StartupError(f"{path} is not UTF-8 text: not {what}") from None
 
 
 async def seed_admin_key(store: Store, tenant: str, env: Mapping[str, str]) -> None:
-    key = env.get(BOOTSTRAP_KEY_ENV, "").strip()
+    key = bootstrap_key(env)
     if not key:
         if await store.count_api_keys() == 0:
             log.warning("admin_key.none", hint=f"no API key exists: give the replicas ${BOOTSTRAP_KEY_ENV} "

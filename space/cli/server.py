@@ -327,8 +327,31 @@ def objects_migrate(
 
 # ---- the replicated control plane ----------------------------------------------------------------
 
-DatabaseUrl = Annotated[str, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
-                                          help="The shared PostgreSQL database (postgresql+asyncpg://…).")]
+DatabaseUrl = Annotated[str | None, typer.Option("--database-url", envvar="SPACE_DATABASE_URL",
+                                                 help="The shared PostgreSQL database (postgresql+asyncpg://…).")]
+DatabaseUrlFile = Annotated[Path | None, typer.Option(
+    "--database-url-file", envvar="SPACE_DATABASE_URL_FILE",
+    help="A file holding --database-url (a mounted Secret: the password stays out of the environment).")]
+
+
+def _database_url(url: str | None, file: Path | None) -> str:
+    """The database URL, given as itself or as a file holding it: exactly one of the two."""
+    from space.controlplane import StartupError, read_small_file
+
+    if (url is None) == (file is None):
+        raise typer.BadParameter("give exactly one of --database-url and --database-url-file")
+    if url is not None:
+        return url
+    assert file is not None
+    try:
+        text = read_small_file(file, "a database URL").strip()
+    except FileNotFoundError:
+        raise typer.BadParameter(f"{file} does not exist", param_hint="--database-url-file") from None
+    except StartupError as e:
+        raise typer.BadParameter(e.message, param_hint="--database-url-file") from None
+    if not text or "\n" in text:
+        raise typer.BadParameter(f"{file} must hold one database URL", param_hint="--database-url-file")
+    return text
 ObjectStoreUrl = Annotated[str, typer.Option("--object-store-url", envvar="SPACE_OBJECT_STORE_URL",
                                              help="The shared object store (s3://BUCKET/PREFIX, or a directory).")]
 KeysDir = Annotated[Path | None, typer.Option(
@@ -338,11 +361,18 @@ LogLevel = Annotated[str, typer.Option("--log-level")]
 
 
 def api(
-    database_url: DatabaseUrl,
     object_store_url: ObjectStoreUrl,
+    database_url: DatabaseUrl = None,
+    database_url_file: DatabaseUrlFile = None,
     keys_dir: KeysDir = None,
     listen: Annotated[str, typer.Option("--listen", help="HOST:PORT of the API.", envvar="SPACE_LISTEN")]
     = "0.0.0.0:8080",
+    tls_cert_file: Annotated[Path | None, typer.Option(
+        "--tls-cert-file", envvar="SPACE_TLS_CERT_FILE",
+        help="Serve HTTPS with this certificate chain (PEM), e.g. from space keys api-cert; nodes join "
+             "only over https.")] = None,
+    tls_key_file: Annotated[Path | None, typer.Option(
+        "--tls-key-file", envvar="SPACE_TLS_KEY_FILE", help="The key of --tls-cert-file (PEM).")] = None,
     sandbox_disk_mb: Annotated[int, typer.Option("--sandbox-disk-mb", min=16)] = 10240,
     default_quota: Annotated[str | None, typer.Option("--default-quota", envvar="SPACE_DEFAULT_QUOTA")] = None,
     max_upload_mb: Annotated[int, typer.Option("--max-upload-mb", help="Largest file upload.")] = 1024,
@@ -357,9 +387,16 @@ def api(
     """Run one API replica (stateless; run any number behind a load balancer)."""
     from space import controlplane, logs
 
+    if (tls_cert_file is None) != (tls_key_file is None):
+        raise typer.BadParameter("give both --tls-cert-file and --tls-key-file, or neither")
+    for given in (tls_cert_file, tls_key_file):
+        if given is not None and not given.is_file():
+            raise typer.BadParameter(f"{given} is not a readable file")
     logs.configure(log_level)
     controlplane.run("api", controlplane.ControlPlaneSettings(
-        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir, listen=listen,
+        database_url=_database_url(database_url, database_url_file), object_store_url=object_store_url,
+        keys_dir=keys_dir, listen=listen,
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
         sandbox_disk_mb=sandbox_disk_mb, max_upload_bytes=max_upload_mb << 20, operator_tenant=operator_tenant,
         default_quota=parse_quota(default_quota) if default_quota is not None else None,
         bootstrap_templates=() if no_bootstrap else ("base",), egress_ceiling=_ceiling(egress_private),
@@ -367,8 +404,9 @@ def api(
 
 
 def controller(
-    database_url: DatabaseUrl,
     object_store_url: ObjectStoreUrl,
+    database_url: DatabaseUrl = None,
+    database_url_file: DatabaseUrlFile = None,
     keys_dir: KeysDir = None,
     lease_seconds: Annotated[float, typer.Option(
         "--lease-seconds", min=1.0,
@@ -378,6 +416,9 @@ def controller(
         "--backup-every", min=0.0, envvar="SPACE_BACKUP_EVERY",
         help="Seconds between the continuous disk backup's looks at each sandbox whose snapshot policy "
              "names no backup_every (0: such sandboxes are not backed up).")] = 45.0,
+    health_file: Annotated[Path | None, typer.Option(
+        "--health-file", envvar="SPACE_HEALTH_FILE",
+        help="Touch this file every few seconds while running (a liveness probe checks its age).")] = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one controller (run several: they share the work, one leads)."""
@@ -385,8 +426,36 @@ def controller(
 
     logs.configure(log_level)
     controlplane.run("controller", controlplane.ControlPlaneSettings(
-        database_url=database_url, object_store_url=object_store_url, keys_dir=keys_dir,
-        lease_seconds=lease_seconds, backup_every=backup_every or None))
+        database_url=_database_url(database_url, database_url_file), object_store_url=object_store_url,
+        keys_dir=keys_dir, lease_seconds=lease_seconds, backup_every=backup_every or None, health_file=health_file))
+
+
+db_app = typer.Typer(help="The shared database.", no_args_is_help=True)
+
+
+@db_app.command("migrate")
+def db_migrate(database_url: DatabaseUrl = None, database_url_file: DatabaseUrlFile = None) -> None:
+    """Bring the database's schema to this version's newest migration, then exit (a Kubernetes Job
+    before the API rolls; replicas also migrate at start, under the same lock)."""
+    import asyncio
+
+    from space import logs
+    from space.errors import SpaceError
+    from space.store import Store
+
+    url = _database_url(database_url, database_url_file)
+    logs.configure("info")
+
+    async def go() -> str | None:
+        async with await Store.open(url) as store:
+            return await store.schema_revision()
+
+    try:
+        revision = asyncio.run(go())
+    except SpaceError as e:
+        typer.echo(f"space db migrate: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"schema at {revision}")
 
 
 keys_app = typer.Typer(help="The deployment's shared keys.", no_args_is_help=True)
@@ -415,9 +484,36 @@ def keys_generate(directory: Annotated[Path, typer.Argument(help="Where to write
                f"{objauth.KEY_FILE} (--manifest-key-file)", err=True)
 
 
+@keys_app.command("api-cert")
+def keys_api_cert(
+    directory: Annotated[Path, typer.Argument(help="The keys directory (space keys generate): its cluster CA signs.")],
+    host: Annotated[list[str], typer.Option(
+        "--host", help="A name nodes reach the API by (repeatable), e.g. space-api.space.svc.")],
+    days: Annotated[int, typer.Option("--days", min=1)] = 365,
+) -> None:
+    """Issue the API replicas' HTTPS certificate from the cluster CA (api.pem, api.key in DIRECTORY):
+    nodes then join over https with --control-ca-file DIRECTORY/cluster-ca.pem."""
+    from space.cluster import keys
+    from space.cluster.pki import ClusterCA, PKIError, write_private
+
+    try:
+        ca = ClusterCA.load((directory / keys.CLUSTER_CA_CERT.file).read_bytes(),
+                            (directory / keys.CLUSTER_CA_KEY.file).read_bytes())
+        cert, key = ca.issue_api_server(host, days=days)
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read the cluster CA in {directory}: {e.strerror}") from None
+    except PKIError as e:
+        raise typer.BadParameter(str(e)) from None
+    write_private(directory / "api.key", key)
+    write_private(directory / "api.pem", cert)
+    typer.echo(str(directory / "api.pem"))
+    typer.echo(str(directory / "api.key"))
+
+
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("api")(api)
     app.command("controller")(controller)
     app.add_typer(keys_app, name="keys")
     app.add_typer(objects_app, name="objects")
+    app.add_typer(db_app, name="db")

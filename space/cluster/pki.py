@@ -57,6 +57,8 @@ CLOCK_SKEW = datetime.timedelta(minutes=5)
 
 NODE_PREFIX = "node:"
 CLIENT_PREFIX = "control-plane:"
+#: The CN prefix of the API's own serving certificate (what nodes dial to join and report).
+API_PREFIX = "api:"
 ORGANIZATION = "space"
 
 MIN_RSA_BITS = 2048
@@ -315,6 +317,30 @@ class ClusterCA:
         _check_days(days)
         key = ec.generate_private_key(ec.SECP256R1())
         cert = self._leaf(_subject(CLIENT_PREFIX + name), key.public_key(), [], ExtendedKeyUsageOID.CLIENT_AUTH, days)
+        return cert, _private_pem(key)
+
+
+    def issue_api_server(self, hosts: Sequence[str], *, days: int = 365) -> tuple[bytes, bytes]:
+        """A fresh key and a serving certificate for the API replicas: ``(cert_pem, key_pem)``.
+
+        CN ``api:<first host>``, serverAuth only, SAN ``hosts`` (the names nodes reach the API by,
+        e.g. its in-cluster Service). It carries no node identity name (``*.node.space.internal``),
+        so it can never pass for a node, and no clientAuth, so nodes do not take it for the
+        control plane's client certificate.
+        """
+        _check_days(days)
+        if isinstance(hosts, str):
+            raise PKIError("hosts must be a sequence of host names, not one string")
+        sans = list(dict.fromkeys(_san(h) for h in hosts))
+        if not sans:
+            raise PKIError("an API certificate needs at least one host")
+        if len(sans) > MAX_HOSTS:
+            raise PKIError(f"{len(sans)} hosts, at most {MAX_HOSTS}")
+        if any(isinstance(n, x509.DNSName) and n.value.endswith(IDENTITY_SUFFIX) for n in sans):
+            raise PKIError(f"an API certificate cannot name a node identity (*{IDENTITY_SUFFIX})")
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = self._leaf(_subject(API_PREFIX + _check_name(hosts[0], "API host")), key.public_key(), sans,
+                          ExtendedKeyUsageOID.SERVER_AUTH, days)
         return cert, _private_pem(key)
 
 

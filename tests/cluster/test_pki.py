@@ -574,3 +574,35 @@ def test_a_rejoining_node_proves_it_holds_the_same_key() -> None:
         pki.csr_for_key(b"not a key", "n1")
     with pytest.raises(PKIError):
         pki.public_key_sha256(b"garbage")
+
+
+# ---- the API's own HTTPS certificate ----------------------------------------------------------------
+
+
+def test_api_certificate_contents(ca: ClusterCA) -> None:
+    cert_pem, key_pem = ca.issue_api_server(["space-api.space.svc", "10.0.0.7"], days=30)
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "api:space-api.space.svc"
+    eku = cert.extensions.get_extension_for_oid(ExtensionOID.EXTENDED_KEY_USAGE).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["space-api.space.svc"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7")]
+    with pytest.raises(PKIError, match="not a node certificate"):
+        node_id_of(cert_pem)
+    assert serialization.load_pem_private_key(key_pem, None).public_key() == cert.public_key()
+
+
+@pytest.mark.parametrize("hosts", [[], ["n1.node.space.internal"], ["ok.example", "x.node.space.internal"], ["a b"]])
+def test_api_certificate_refuses_bad_or_node_names(ca: ClusterCA, hosts: list[str]) -> None:
+    with pytest.raises(PKIError):
+        ca.issue_api_server(hosts)
+
+
+def test_api_certificate_cannot_pass_for_a_node(tmp_path: Path, ca: ClusterCA, tls_version: ssl.TLSVersion) -> None:
+    """A stolen API key serving at a node's address: the control plane dials nodes by their identity
+    name (``<id>.node.space.internal``), which no API certificate can carry."""
+    impostor = node_server(tmp_path, ca, ca.issue_api_server(list(HOSTS)))
+    out = round_trip(impostor, control_plane(ca, tls_version), pki.identity_name("n1"))
+    assert_refused(out)
+    assert isinstance(out.client_error, ssl.SSLCertVerificationError), client_reason(out)

@@ -212,9 +212,11 @@ class Cluster:
             token: str = r.json()["token"]
             return token
 
-    def start_node(self, node_id: str, *, host_cache: bool = False, control: int = 0) -> ClusterNode:
-        """A node agent joined through API replica ``control``. ``host_cache``: it shares the host's
-        template cache (so it can import ``base`` without building it); else its own, empty."""
+    def start_node(self, node_id: str, *, host_cache: bool = False, control: int = 0,
+                   control_url: str | None = None, control_ca: Path | None = None) -> ClusterNode:
+        """A node agent joined through API replica ``control`` (or ``control_url``, whose HTTPS
+        certificate ``control_ca`` issued). ``host_cache``: it shares the host's template cache (so
+        it can import ``base`` without building it); else its own, empty."""
         scratch = node_scratch(f"{node_id}-")
         data, cache = scratch / "data", (Path("/var/cache/space") if host_cache else scratch / "cache")
         data.mkdir(parents=True, exist_ok=True)
@@ -229,7 +231,8 @@ class Cluster:
         proc = Proc(node_id, [
             sys.executable, "-m", "space.cli.main", "node", "run", "--data-dir", str(data),
             "--listen", f"127.0.0.1:{port}", "--join-token-file", str(token_file),
-            "--control-url", self.api_url(control), "--advertise-url", f"https://127.0.0.1:{port}",
+            "--control-url", control_url or self.api_url(control), "--advertise-url", f"https://127.0.0.1:{port}",
+            *(["--control-ca-file", str(control_ca)] if control_ca is not None else []),
             "--egress-ca-dir", str(egress_ca),
             "--manifest-key-file", str(self.keys_dir / "manifest.key"),
             "--node-id", node_id, "--cache-dir", str(cache), "--pool-size-gb", "16",

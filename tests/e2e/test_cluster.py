@@ -24,6 +24,7 @@ import base64
 import concurrent.futures
 import json
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from sqlalchemy import text
 
 from space.cluster.pki import ClusterCA
 from tests.e2e.cluster import Cluster, Proc, cluster
-from tests.e2e.harness import create_sandbox, read_events, run, runtime_available, wait_operation
+from tests.e2e.harness import SPACE, create_sandbox, free_port, read_events, run, runtime_available, wait_operation
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.postgres]
@@ -584,3 +585,39 @@ def test_a_node_agent_restarted_in_place_keeps_its_sandboxes_running(deployment:
             assert run(b, sid, {"shell": "echo still here"})[1] == b"still here\n"
         finally:
             _delete(a, sid)
+
+
+def test_a_node_joins_over_https_to_a_replica_serving_the_cluster_cas_certificate(deployment: Cluster) -> None:
+    """``space keys api-cert`` issues the API's HTTPS certificate from the cluster CA; a replica
+    serving it (``--tls-cert-file``) is where node-d joins, checking it with ``--control-ca-file``
+    (what a Kubernetes node pod does through the in-cluster Service). A client trusting only the
+    system's CAs is refused; node-d is ready and listed. (Last: node-d stays, cordoned.)"""
+    c = deployment
+    issued = subprocess.run([SPACE, "keys", "api-cert", str(c.keys_dir), "--host", "localhost", "--host", "127.0.0.1"],
+                            capture_output=True, text=True, timeout=60)
+    assert issued.returncode == 0, issued.stderr
+    ca_file = c.keys_dir / "cluster-ca.pem"
+    port = free_port()
+    tls = ["--tls-cert-file", str(c.keys_dir / "api.pem"), "--tls-key-file", str(c.keys_dir / "api.key")]
+    api = Proc("api-tls", [*c._control_argv("api"), "--listen", f"127.0.0.1:{port}", *tls],
+               c.work / "api-tls.log", c._control_env())
+    api.start()
+    try:
+        def ready() -> bool:
+            api.check_alive()
+            try:
+                return httpx.get(f"https://localhost:{port}/readyz", verify=str(ca_file), timeout=2).status_code == 200
+            except httpx.ConnectError:
+                return False
+
+        wait_for(ready, 120, "the HTTPS replica to be ready", interval=0.2)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"https://localhost:{port}/readyz", timeout=5)
+        c.start_node("node-d", control_url=f"https://localhost:{port}", control_ca=ca_file)
+        c.wait_nodes_ready()
+        with c.client(0) as a:
+            row = a.get("/v1/nodes/node-d").json()
+            assert row["state"] == "ready", row
+            assert a.post("/v1/nodes/node-d/cordon").status_code == 200  # out of the other scenarios' way
+    finally:
+        api.stop()
