@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK
+
 #: The limits of every tenant whose own were never set, until the operator changes them
 #: (``--default-quota``, ``PUT /v1/quota/defaults``): room for a team's agents on one small node.
 DEFAULT_QUOTA: dict[str, Any] = {"sandboxes": 20, "cpu": 16.0, "memory_mb": 32768, "storage_mb": 51200,
@@ -47,6 +49,9 @@ class ServeSettings:
     #: at all (the operator narrows it per tenant). Empty: none. Loopback, link-local, metadata, the
     #: node and its sandboxes are never reachable (space.egress_policy).
     egress_ceiling: tuple[str, ...] = ()
+    #: Where the node gives sandboxes their addresses (space.egress_policy.parse_sandbox_network):
+    #: choose one clear of the host's own networks.
+    sandbox_network: str = DEFAULT_SANDBOX_NETWORK
     #: Operation lease: how long a crashed controller's claim blocks a retry.
     lease_seconds: float = 10.0
     #: The tenant whose admin keys manage every tenant (keys, quotas, audit); the bootstrap admin

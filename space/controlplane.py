@@ -31,6 +31,7 @@ from space.cluster.keys import SharedKeyError, SharedKeys
 from space.config import DEFAULT_QUOTA
 from space.controller import Controller, NodeRegistry
 from space.credentials import BackendConfig, Backends, CredentialManager
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK
 from space.node.templates.store import BASE_SPEC
 from space.objstore import ObjectStore
 from space.store import Store, quotas
@@ -67,6 +68,8 @@ class ControlPlaneSettings:
     sandbox_disk_mb: int = 10240
     operator_tenant: str = "default"
     egress_ceiling: tuple[str, ...] = ()
+    #: The deployment's sandbox address ranges (every node's --sandbox-network).
+    sandbox_networks: tuple[str, ...] = (DEFAULT_SANDBOX_NETWORK,)
     e2b_domain: str | None = None
     default_quota: dict[str, Any] | None = None
     bootstrap_templates: tuple[str, ...] = ("base",)
@@ -139,7 +142,7 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
     from space.api.app import create_app
     from space.api.state import AppState
     from space.api.templates import queue_build
-    from space.egress_policy import parse_ceiling
+    from space.egress_policy import parse_ceiling, parse_sandbox_network
     from space.errors import NotFound
     from space.httpserver import BoundedHttp
     from space.web import GracefulServer
@@ -153,6 +156,7 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
                          max_upload_bytes=settings.max_upload_bytes, credentials=cp.credentials,
                          sandbox_disk_mb=settings.sandbox_disk_mb, operator_tenant=settings.operator_tenant,
                          egress_ceiling=parse_ceiling(settings.egress_ceiling),
+                         sandbox_networks=tuple(parse_sandbox_network(n) for n in settings.sandbox_networks),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
                          cluster_ca=cp.keys.cluster_ca)
         for name in settings.bootstrap_templates:

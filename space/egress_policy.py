@@ -414,6 +414,29 @@ class Policy:
 # ---- ceilings --------------------------------------------------------------------------------------
 
 
+#: Where nodes give their sandboxes addresses unless told otherwise; each node takes a /20 of it.
+DEFAULT_SANDBOX_NETWORK = "10.208.0.0/12"
+#: A node's share of the sandbox network (1023 sandboxes).
+SANDBOX_SLOT_PREFIX = 20
+_SANDBOX_NETWORK_HOMES = _nets("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16")
+
+
+def parse_sandbox_network(text: str) -> ipaddress.IPv4Network:
+    """The deployment's sandbox address range (``--sandbox-network``): IPv4, inside RFC 1918 or
+    CGNAT space (a public range would shadow real destinations), and at least one node's /20. Pick
+    one that collides with neither the VPC nor the pod and service CIDRs."""
+    try:
+        net = ipaddress.IPv4Network(text.strip())
+    except ValueError as e:
+        raise InvalidRequest(f"sandbox network {text!r}: not an IPv4 network ({e})") from None
+    if net.prefixlen > SANDBOX_SLOT_PREFIX:
+        raise InvalidRequest(f"sandbox network {net}: at least a /{SANDBOX_SLOT_PREFIX} (one node's share)")
+    if not any(net.subnet_of(home) for home in _SANDBOX_NETWORK_HOMES if isinstance(home, ipaddress.IPv4Network)):
+        raise InvalidRequest(f"sandbox network {net}: must lie inside "
+                             f"{', '.join(str(h) for h in _SANDBOX_NETWORK_HOMES)}")
+    return net
+
+
 def parse_ceiling(entries: Iterable[str] | None) -> tuple[IPNetwork, ...]:
     """The private ranges an operator opens (CIDRs, each inside :data:`PRIVATE`)."""
     out: list[IPNetwork] = []

@@ -38,7 +38,7 @@ from space.config import DEFAULT_QUOTA, ServeSettings
 from space.controller import Controller, NodeRegistry
 from space.controlplane import TEMPLATE_SPECS
 from space.credentials import CredentialManager, build_manager
-from space.egress_policy import parse_ceiling
+from space.egress_policy import parse_ceiling, parse_sandbox_network
 from space.errors import NotFound, SpaceError, Unavailable
 from space.httpserver import BoundedHttp
 from space.node.api.client import NodeClient
@@ -123,6 +123,7 @@ class NodeProcess:
         ]
         for net in s.egress_ceiling:
             argv += ["--egress-private", net]
+        argv += ["--sandbox-network", s.sandbox_network]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
         if self.manifest_key_file is not None:
@@ -310,6 +311,7 @@ async def serve(settings: ServeSettings) -> None:
                          sandbox_disk_mb=settings.sandbox_disk_mb,
                          operator_tenant=settings.operator_tenant,
                          egress_ceiling=parse_ceiling(settings.egress_ceiling),
+                         sandbox_networks=(parse_sandbox_network(settings.sandbox_network),),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
                          cluster_ca=cluster_ca)
         await bootstrap_templates(state, settings.bootstrap_templates)

@@ -22,6 +22,7 @@ from space.egress_policy import (
     classify_host,
     narrow,
     parse_ceiling,
+    parse_sandbox_network,
     reach_report,
     validate,
 )
@@ -298,3 +299,15 @@ def test_validate_normalizes_and_is_idempotent() -> None:
                 {"default": "maybe"}, {"other": []}):
         with pytest.raises(InvalidRequest):
             validate(bad)
+
+
+@pytest.mark.parametrize("text", ["10.208.0.0/12", "172.29.0.0/16", "100.72.0.0/20", "192.168.0.0/16", " 10.0.0.0/8 "])
+def test_a_sandbox_network_is_a_private_range_of_a_node_slot_at_least(text: str) -> None:
+    assert str(parse_sandbox_network(text)) == text.strip()
+
+
+@pytest.mark.parametrize("text", ["10.208.0.0/21", "8.8.0.0/16", "fd00::/48", "10.208.0.1/12", "nope", "",
+                                  "169.254.0.0/16", "127.0.0.0/8"])
+def test_anything_else_is_refused_as_a_sandbox_network(text: str) -> None:
+    with pytest.raises(InvalidRequest, match="sandbox network"):
+        parse_sandbox_network(text)

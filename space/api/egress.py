@@ -15,7 +15,6 @@ from space.api.state import AppState, app_state
 from space.controller.egress import egress_config, tenant_limits
 from space.errors import InvalidState
 from space.lifecycle import State
-from space.node.helper.verbs_net import SLOT_RANGE
 from space.store import Sandbox
 
 log = structlog.get_logger("space.api.egress")
@@ -28,10 +27,6 @@ St = Annotated[AppState, Depends(app_state)]
 #: States in which the sandbox is on a node whose gateway must hear of a change at once; in the
 #: others the next placement carries the new policy.
 ON_NODE = (State.RUNNING, State.PAUSED)
-
-#: Where nodes give sandboxes their addresses: never a destination (the gateway knows it too).
-SANDBOX_NETWORKS: tuple[rules.IPNetwork, ...] = (SLOT_RANGE,)
-
 
 class PolicyBody(BaseModel):
     allow: list[str] = Field(default_factory=list, max_length=rules.MAX_ENTRIES)
@@ -55,17 +50,18 @@ async def checked_policy(st: AppState, tenant: str, doc: dict[str, Any] | None) 
     """``doc`` normalized, or ``400 invalid_request`` naming a bad entry, or an allow CIDR that
     reaches only what no policy opens or private ranges outside the tenant's ceiling."""
     norm = rules.validate(doc)
-    rules.check_reach(norm, await tenant_ceiling(st, tenant), SANDBOX_NETWORKS)
+    rules.check_reach(norm, await tenant_ceiling(st, tenant), st.sandbox_networks)
     return norm
 
 
-def limits_view(docs: list[dict[str, Any]], ceiling: tuple[rules.IPNetwork, ...]) -> dict[str, Any]:
+def limits_view(docs: list[dict[str, Any]], ceiling: tuple[rules.IPNetwork, ...],
+                sandbox_networks: tuple[rules.IPNetwork, ...]) -> dict[str, Any]:
     """What no policy of this sandbox opens, whatever it says (the gateway enforces it)."""
     clipped = [rules.reach_note(rule, verdict, ceiling)
-               for doc in docs for rule, verdict in rules.reach_report(doc, ceiling, SANDBOX_NETWORKS)]
+               for doc in docs for rule, verdict in rules.reach_report(doc, ceiling, sandbox_networks)]
     return {
         "never": [f"{net} ({what})" for net, what in rules.NEVER]
-                 + [f"{net} (sandbox networks)" for net in SANDBOX_NETWORKS] + ["the node's own addresses"],
+                 + [f"{net} (sandbox networks)" for net in sandbox_networks] + ["the node's own addresses"],
         "private_ceiling": [str(n) for n in ceiling],
         "clipped": clipped,
     }
@@ -83,7 +79,7 @@ async def policy_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
         # What the gateway enforces: the one policy there is, or both (each must allow).
         "effective": layers[0] if len(layers) == 1 else ({"all_of": layers} if layers else {}),
         "inherited": not own,
-        "limits": limits_view(layers, ceiling),
+        "limits": limits_view(layers, ceiling, st.sandbox_networks),
         "secrets": list(sb.secrets or []),
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 from starlette.requests import HTTPConnection
 
@@ -12,7 +13,7 @@ from space.api.quota_cache import QuotaCache
 from space.cluster.pki import ClusterCA
 from space.controller import Controller, NodeRegistry
 from space.credentials import CredentialManager
-from space.egress_policy import IPNetwork
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK, IPNetwork
 from space.store import Store
 
 
@@ -35,6 +36,9 @@ class AppState:
     credentials: CredentialManager | None = None
     #: The deployment's egress ceiling (ServeSettings.egress_ceiling): what a tenant's ceiling narrows.
     egress_ceiling: tuple[IPNetwork, ...] = ()
+    #: Where the deployment's nodes give sandboxes addresses: never an egress destination (the
+    #: gateways refuse them too).
+    sandbox_networks: tuple[IPNetwork, ...] = (ipaddress.IPv4Network(DEFAULT_SANDBOX_NETWORK),)
     #: E2B's host form ``<port>-<sandbox id>.<domain>`` is routed to sandboxes when set.
     e2b_domain: str | None = None
     #: Signs the certificates of nodes that join (space.api.nodes); None: no node can join.

@@ -11,6 +11,7 @@ import typer
 
 # The agent's own commands join the client-side ``space node`` group (list, get, remove, token).
 from space.cli.nodes import app as node_app
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK
 
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where SPACE keeps its state.",
                                        envvar="SPACE_DATA_DIR")]
@@ -65,6 +66,7 @@ def serve(
         "--e2b-domain", envvar="SPACE_E2B_DOMAIN",
         help="Also route E2B host names <port>-<sandbox id>.<domain> to sandboxes (needs wildcard DNS).")]
     = None,
+    sandbox_network: SandboxNetwork = DEFAULT_SANDBOX_NETWORK,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the whole platform (API, controller, one node) on embedded defaults."""
@@ -81,8 +83,24 @@ def serve(
         default_quota=parse_quota(default_quota) if default_quota is not None else None,
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
         operator_tenant=operator_tenant, network=network, user=user, e2b_domain=e2b_domain,
-        egress_ceiling=ceiling,
+        egress_ceiling=ceiling, sandbox_network=_sandbox_network(sandbox_network),
     ))
+
+
+SandboxNetwork = Annotated[str, typer.Option(
+    "--sandbox-network", envvar="SPACE_SANDBOX_NETWORK", metavar="CIDR",
+    help="Where sandboxes get their addresses (each node takes a /20): a private IPv4 range clear of the "
+         "host's, VPC's, pods' and services' networks.")]
+
+
+def _sandbox_network(value: str) -> str:
+    from space.egress_policy import parse_sandbox_network
+    from space.errors import InvalidRequest
+
+    try:
+        return str(parse_sandbox_network(value))
+    except InvalidRequest as e:
+        raise typer.BadParameter(e.message, param_hint="--sandbox-network") from None
 
 
 def _ceiling(entries: list[str] | None) -> tuple[str, ...]:
@@ -182,6 +200,7 @@ def node_run(
         help="Seconds without the control plane's heartbeat after which this node freezes its own "
              "sandboxes (they may be restored elsewhere); 0: never. Default 30 with --listen, 0 with --socket.")]
     = None,
+    sandbox_network: SandboxNetwork = DEFAULT_SANDBOX_NETWORK,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     secrets_fd: Annotated[int | None, typer.Option(
         "--secrets-fd", hidden=True,
@@ -240,7 +259,7 @@ def node_run(
             egress_ceiling=_ceiling(egress_private),
             fence_after=(fence_after if fence_after is not None else 30.0 if listen is not None else 0.0) or None,
             object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
-            manifest_keys=keys,
+            manifest_keys=keys, sandbox_network=_sandbox_network(sandbox_network),
         ))
     except JoinError as e:
         typer.echo(f"space node run: {e.message}", err=True)
@@ -382,6 +401,10 @@ def api(
     egress_private: Annotated[list[str] | None, typer.Option(
         "--egress-private", envvar="SPACE_EGRESS_PRIVATE", metavar="CIDR")] = None,
     e2b_domain: Annotated[str | None, typer.Option("--e2b-domain", envvar="SPACE_E2B_DOMAIN")] = None,
+    sandbox_network: Annotated[list[str] | None, typer.Option(
+        "--sandbox-network", envvar="SPACE_SANDBOX_NETWORK", metavar="CIDR",
+        help="The nodes' --sandbox-network (repeatable): never an egress destination. Default 10.208.0.0/12.")]
+    = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one API replica (stateless; run any number behind a load balancer)."""
@@ -400,6 +423,7 @@ def api(
         sandbox_disk_mb=sandbox_disk_mb, max_upload_bytes=max_upload_mb << 20, operator_tenant=operator_tenant,
         default_quota=parse_quota(default_quota) if default_quota is not None else None,
         bootstrap_templates=() if no_bootstrap else ("base",), egress_ceiling=_ceiling(egress_private),
+        sandbox_networks=tuple(_sandbox_network(n) for n in (sandbox_network or [DEFAULT_SANDBOX_NETWORK])),
         e2b_domain=e2b_domain))
 
 

@@ -20,6 +20,7 @@ import uvicorn
 
 from space import childenv
 from space import guest as guest_pkg
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
 from space.node import membership
 from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
@@ -106,6 +107,8 @@ class NodeSettings:
     #: The Debian mirrors template builds may debootstrap from (``$SPACE_BUILD_MIRRORS``,
     #: comma-separated; default http://deb.debian.org/debian): the root helper refuses any other.
     build_mirrors: tuple[str, ...] = dataclasses.field(default_factory=build_net.build_mirrors)
+    #: The deployment's sandbox address range (``--sandbox-network``); this node takes a /20 of it.
+    sandbox_network: str = DEFAULT_SANDBOX_NETWORK
     #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
     #: comma-separated; see space/node/network/build_net.py).
     build_egress: tuple[str, ...] = dataclasses.field(
@@ -293,7 +296,8 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                                 private_ceiling=settings.egress_ceiling)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
                          guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
-                         agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors)
+                         agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors,
+                         sandbox_network=parse_sandbox_network(settings.sandbox_network))
 
 
 def make_egress(settings: NodeSettings, priv: Privileged) -> Egress:

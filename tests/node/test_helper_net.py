@@ -204,3 +204,35 @@ async def test_the_gateways_user_cannot_open_a_connection_to_a_sandbox(tmp_path:
             await server.wait()
     finally:
         await p.call("net.teardown")
+
+
+async def test_the_sandbox_network_is_the_deployments_choice(tmp_path: Path) -> None:
+    """--sandbox-network: the node's /20 slot, its gateway and each sandbox's address come from the
+    range given (a cluster whose VPC or pods use 10.208.0.0/12 picks another); changing it while
+    sandboxes use the old slot is refused, with nothing there it moves."""
+    import ipaddress
+
+    data = tmp_path / "data"
+    data.mkdir()
+    custom = ipaddress.IPv4Network("172.29.0.0/16")
+    p = InProcess(HelperContext(data_dir=data, cache_dir=tmp_path / "cache", gateway_ports=(13128, 13129, 13053),
+                                sandbox_network=custom))
+    try:
+        node = await p.call("net.setup")
+        slot = ipaddress.IPv4Network(node["slot"])
+        assert slot.subnet_of(custom) and slot.prefixlen == 20, node
+        assert ipaddress.IPv4Address(node["gateway_ip"]) in slot
+        s = await p.call("net.create", {"index": 3})
+        assert ipaddress.IPv4Address(s["sandbox_ip"]) in slot
+
+        moved = InProcess(HelperContext(data_dir=data, cache_dir=tmp_path / "cache",
+                                        gateway_ports=(13128, 13129, 13053),
+                                        sandbox_network=ipaddress.IPv4Network("100.72.0.0/16")))
+        with pytest.raises(Exception, match="drain the node before changing it"):
+            await moved.call("net.setup")
+        await p.call("net.remove", {"index": 3})
+        again = await moved.call("net.setup")
+        assert ipaddress.IPv4Network(again["slot"]).subnet_of(ipaddress.IPv4Network("100.72.0.0/16")), again
+        await moved.call("net.teardown")
+    finally:
+        await p.call("net.teardown")

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import ctypes
 import grp
+import ipaddress
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import structlog
 
+from space.egress_policy import parse_sandbox_network
+from space.errors import InvalidRequest
 from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
 from space.node.helper.verbs import GatewayConfig, HelperContext
@@ -53,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="proxy,transparent,dns ports of the egress gateway")
     p.add_argument("--gateway-config", type=_gateway, default=None, help="JSON: how to run the gateway")
     p.add_argument("--runsc", default="runsc")
+    p.add_argument("--sandbox-network", type=_sandbox_network, default=None,
+                   help="the deployment's sandbox address range (default 10.208.0.0/12); the node takes a /20")
     p.add_argument("--mirror", action="append", default=[], type=_mirror,
                    help="a Debian mirror template builds may debootstrap from (repeatable; default "
                         "http://deb.debian.org/debian)")
@@ -62,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="an inherited pipe's read end: its EOF stops the helper (the agent, unprivileged "
                         "once it dropped root, cannot signal it)")
     return p
+
+
+def _sandbox_network(value: str) -> ipaddress.IPv4Network:
+    try:
+        return parse_sandbox_network(value)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _ports(value: str) -> tuple[int, int, int]:
@@ -98,7 +110,8 @@ async def _main(args: argparse.Namespace) -> None:
     verbs.load_all()
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
-                        agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror))
+                        agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
+                        **({"sandbox_network": args.sandbox_network} if args.sandbox_network else {}))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

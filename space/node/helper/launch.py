@@ -80,7 +80,8 @@ class HelperProcess:
                 "--cache-dir", str(c.cache_dir), "--pool-root", str(c.pool), "--guest-dir", str(c.guest),
                 "--gateway-ports", ",".join(map(str, c.gateway_ports)), "--runsc", c.runsc,
                 "--socket", str(self.socket_path), "--agent-uid", str(self.agent_uid),
-                "--socket-group", str(self.socket_gid), "--parent-pid", str(os.getpid())]
+                "--socket-group", str(self.socket_gid), "--parent-pid", str(os.getpid()),
+                "--sandbox-network", str(c.sandbox_network)]
         # Root may call too: the agent pings it before dropping, and root gains nothing by it.
         argv.append("--allow-root")
         if c.gateway is not None:

@@ -10,6 +10,7 @@ over RPC, so a test of a verb is a test of what the helper accepts.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import types
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK
 from space.errors import InvalidRequest
 
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -76,6 +78,9 @@ class HelperContext:
     gateway: GatewayConfig | None = None
     #: The Debian mirrors template builds may debootstrap from (empty: the default one only).
     mirrors: tuple[str, ...] = ()
+    #: The deployment's sandbox address range; this node takes a /20 of it (net.setup).
+    sandbox_network: ipaddress.IPv4Network = field(
+        default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SANDBOX_NETWORK))
 
     @property
     def pool(self) -> Path:

@@ -14,7 +14,7 @@ import structlog
 
 from space.errors import Conflict
 from space.node.helper.verbs import Call, HelperContext, verb
-from space.node.helper.verbs_net import SLOT_RANGE, NodeNet
+from space.node.helper.verbs_net import NodeNet
 from space.node.network.gateway import GatewayProcess
 
 log = structlog.get_logger(__name__)
@@ -35,7 +35,7 @@ def _process(ctx: HelperContext) -> GatewayProcess:
     return GatewayProcess(ctx.data_dir / "gateway", cfg.control, address=address,
                           proxy_port=proxy, transparent_port=transparent, dns_port=dns, ca_dir=cfg.ca_dir,
                           hosts_file=cfg.hosts_file, upstream_ca=cfg.upstream_ca, upstream_dns=cfg.upstream_dns,
-                          sandbox_networks=(str(SLOT_RANGE),), private_ceiling=cfg.private_ceiling,
+                          sandbox_networks=(str(ctx.sandbox_network),), private_ceiling=cfg.private_ceiling,
                           user=cfg.user,
                           control_group=cfg.control_group)
 

@@ -22,15 +22,16 @@ from typing import Any
 
 import structlog
 
+from space.egress_policy import SANDBOX_SLOT_PREFIX
 from space.errors import Conflict, RuntimeFailure
 from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, verb
 
 log = structlog.get_logger(__name__)
 
-#: Node slots are /20s of this range: 256 nodes per host, 1023 sandboxes per node.
-SLOT_RANGE = ipaddress.IPv4Network("10.208.0.0/12")
-SLOT_PREFIX = 20
+#: A node's slot is a /20 of the sandbox network (HelperContext.sandbox_network; a /12 holds 256
+#: nodes per host), with 1023 sandboxes.
+SLOT_PREFIX = SANDBOX_SLOT_PREFIX
 MAX_INDEX = (1 << (32 - SLOT_PREFIX)) // 4 - 1
 NETNS_DIR = Path("/var/run/netns")
 
@@ -56,6 +57,7 @@ class NodeNet:
         self.ns_prefix = f"space-{self.tag}-"
         self.proxy, self.transparent, self.dns = ctx.gateway_ports
         self.state_file = ctx.data_dir / "network.json"
+        self.sandbox_network = ctx.sandbox_network
 
     def saved_slot(self) -> ipaddress.IPv4Network | None:
         try:
@@ -96,8 +98,8 @@ class NodeNet:
         output = "" if gateway_uid is None else f"""
   chain output {{
     type filter hook output priority filter - 10; policy accept;
-    meta skuid {gateway_uid} ip daddr {SLOT_RANGE} ct state new meta l4proto tcp reject with tcp reset
-    meta skuid {gateway_uid} ip daddr {SLOT_RANGE} ct state new drop
+    meta skuid {gateway_uid} ip daddr {self.sandbox_network} ct state new meta l4proto tcp reject with tcp reset
+    meta skuid {gateway_uid} ip daddr {self.sandbox_network} ct state new drop
   }}"""
         return f"""
 table inet {t}
@@ -162,10 +164,13 @@ async def _routed_networks() -> list[ipaddress.IPv4Network]:
 
 async def _choose_slot(n: NodeNet) -> ipaddress.IPv4Network:
     saved = n.saved_slot()
-    if saved is not None:
+    if saved is not None and saved.subnet_of(n.sandbox_network):
         return saved
+    if saved is not None and any(name.startswith(n.ns_prefix) for name in netns_names()):
+        raise Conflict(f"this node's sandboxes use {saved}, outside the sandbox network {n.sandbox_network}: "
+                       "drain the node before changing it")
     taken = await _routed_networks()
-    slots: list[ipaddress.IPv4Network] = list(SLOT_RANGE.subnets(new_prefix=SLOT_PREFIX))
+    slots: list[ipaddress.IPv4Network] = list(n.sandbox_network.subnets(new_prefix=SLOT_PREFIX))
     start = int(n.tag, 16) % len(slots)
     for k in range(len(slots)):
         slot = slots[(start + k) % len(slots)]
@@ -174,7 +179,7 @@ async def _choose_slot(n: NodeNet) -> ipaddress.IPv4Network:
             tmp.write_text(json.dumps({"slot": str(slot)}))
             os.replace(tmp, n.state_file)
             return slot
-    raise RuntimeFailure(f"no free sandbox network in {SLOT_RANGE} on this host")
+    raise RuntimeFailure(f"no free sandbox network in {n.sandbox_network} on this host")
 
 
 def _describe(n: NodeNet, slot: ipaddress.IPv4Network) -> dict[str, Any]:
@@ -286,7 +291,7 @@ async def net_remove(ctx: HelperContext, args: IndexArgs, call: Call) -> dict[st
 async def net_teardown(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     """Remove everything this node added to the host's network."""
     n = NodeNet(ctx)
-    slot = n.saved_slot() or next(SLOT_RANGE.subnets(new_prefix=SLOT_PREFIX))
+    slot = n.saved_slot() or next(n.sandbox_network.subnets(new_prefix=SLOT_PREFIX))
     removed = []
     for name in netns_names():
         suffix = name.removeprefix(n.ns_prefix)
