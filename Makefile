@@ -18,6 +18,8 @@ system:
 python: $(VENV)/.installed
 	@# the CLI on PATH for the README walkthrough (this checkout's)
 	@if [ -w /usr/local/bin ]; then ln -sf "$$(pwd)/$(VENV)/bin/space" /usr/local/bin/space; fi
+	@# the guest daemon mounted into sandboxes, compiled and its exec wrapper built here, not by a running node
+	$(PY) -m space.cli.main node prepare-guest >/dev/null
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -293,6 +293,21 @@ def read_secrets(fd: int) -> dict[str, dict[str, str]]:
     return doc
 
 
+@node_app.command("prepare-guest")
+def node_prepare_guest() -> None:
+    """Compile the installed guest daemon and build its exec wrapper, in place (make setup and the node
+    image's build run this; a node started on an unprepared package prepares a copy in its data dir)."""
+    from space.node.sandboxes.guest_files import package_dir, prepare
+
+    d = package_dir()
+    try:
+        prepare(d)
+    except (OSError, RuntimeError) as e:
+        typer.echo(f"space node prepare-guest: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(str(d))
+
+
 @node_app.command("teardown")
 def node_teardown(data_dir: DataDir, cache_dir: CacheDir = Path("/var/cache/space")) -> None:
     """Delete every sandbox of a node and release its pool (unmount, detach the loop device)."""

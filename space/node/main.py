@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import compileall
 import contextlib
 import ctypes
 import dataclasses
@@ -12,14 +11,11 @@ import pwd
 import shutil
 import signal
 import stat
-import subprocess
 from pathlib import Path
 
 import structlog
 import uvicorn
 
-from space import childenv
-from space import guest as guest_pkg
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
 from space.node import membership
 from space.node.api.app import create_node_app
@@ -32,6 +28,7 @@ from space.node.network.egress import Egress
 from space.node.network.gateway import GatewayHandle
 from space.node.network.namespaces import GatewayPorts, Network
 from space.node.sandboxes.fencing import Fence
+from space.node.sandboxes.guest_files import guest_dir
 from space.node.sandboxes.manager import SandboxManager
 from space.node.sandboxes.warm import WarmPool
 from space.node.storage.ownership import AGENT_AREAS, AGENT_CACHE, give_node_state, node_state_dir
@@ -134,35 +131,6 @@ def channel_dir_for(data_dir: Path) -> Path:
 
     h = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
     return Path("/run/space") / h
-
-
-def guest_dir() -> Path:
-    """The guest daemon's directory (bind-mounted read-only into every sandbox), bytecode compiled."""
-    d = Path(guest_pkg.__file__).resolve().parent
-    # The sandbox cannot write __pycache__ (read-only mount): compile here, once per node start.
-    compileall.compile_dir(str(d), quiet=1, maxlevels=0)
-    _build_spawn_helper(d)
-    return d
-
-
-def _build_spawn_helper(d: Path) -> None:
-    """Build the guest's static exec wrapper (space-spawn) when missing or older than its source.
-    Without a compiler the guest falls back to setpriv (slower, same behaviour)."""
-    src, out = d / "spawn.c", d / "space-spawn"
-    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
-        return
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("guest.spawn_helper_unavailable", reason="no C compiler")
-        return
-    tmp = d / f".space-spawn.{os.getpid()}"
-    res = subprocess.run([cc, "-O2", "-static", "-o", str(tmp), str(src)], capture_output=True, text=True,
-                         env=childenv.tool())
-    if res.returncode != 0:
-        log.warning("guest.spawn_helper_build_failed", stderr=res.stderr[-500:])
-        tmp.unlink(missing_ok=True)
-        return
-    os.replace(tmp, out)
 
 
 @dataclasses.dataclass
@@ -295,7 +263,8 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                                 upstream_dns=settings.gateway_upstream_dns,
                                 private_ceiling=settings.egress_ceiling)
     return HelperContext(data_dir=settings.data_dir, cache_dir=settings.cache_dir, pool_root=pool_root,
-                         guest_dir=guest_dir(), gateway_ports=GatewayPorts().as_tuple(), gateway=gateway,
+                         guest_dir=guest_dir(settings.data_dir), gateway_ports=GatewayPorts().as_tuple(),
+                         gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors,
                          sandbox_network=parse_sandbox_network(settings.sandbox_network))
 
@@ -404,7 +373,7 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
     priv = pool.priv = node_privileged(settings, pool.root)
     driver = GVisorDriver(priv, pool.root)
     manager = SandboxManager(
-        pool, TemplateStore(pool, cache_dir), driver, guest_dir=guest_dir(),
+        pool, TemplateStore(pool, cache_dir), driver, guest_dir=guest_dir(data_dir),
         channel_dir=channel_dir_for(data_dir),
     )
     await manager.recover()
