@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: setup system python gateway deploy-tools access run test lint typecheck check bench chaos chaos-short clean-dev
+.PHONY: setup system python gateway deploy-tools access images run test lint typecheck check bench chaos chaos-short clean-dev
 
 setup: system python gateway deploy-tools access  ## install system packages and the Python environments (idempotent)
 
@@ -46,6 +46,9 @@ $(DEPLOY_VENV)/.installed: deploy-requirements.txt
 
 access: python gateway  ## the service users (`space`: the API; `space-node`: the node agent; `space-gw`: the egress gateway) can reach their Python and this checkout
 	@if [ "$$(id -u)" -eq 0 ]; then bash scripts/service-user-access.sh space $(PY) space-node $(PY) space-gw $(GW_VENV)/bin/python; fi
+
+images:  ## the space and space-node images (as root: buildah from a debootstrap'd Debian root) in build/images/
+	bash deploy/images/build.sh
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)
