@@ -40,10 +40,11 @@ if ! command -v runsc >/dev/null 2>&1 || [[ "$runsc_version" != *2024* ]]; then
   runsc_version="$(runsc --version)"
 fi
 echo "${runsc_version%%$'\n'*}"
-# kubectl renders the Kubernetes manifests (kustomize, offline) for their tests: trixie's client.
+# kubectl renders the Kubernetes manifests (kustomize, offline) for their tests: trixie's (1.32; it needs
+# only libc6 >= 2.34, which bookworm has).
 if ! command -v kubectl >/dev/null 2>&1; then
   if [ "$need_update" -eq 0 ]; then apt-get update -qq; need_update=1; fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t trixie kubernetes-client
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t trixie kubectl
 fi
 
 # `space serve` runs its API and controller as this system user once its node agent (root) is up.
