@@ -171,7 +171,8 @@ def test_the_control_plane_pods_are_restricted(rendered: dict[str, Path]) -> Non
 def test_the_node_daemonsets_host_access_is_the_documented_list(rendered: dict[str, Path]) -> None:
     ds = _by(_docs(rendered["base"]), "DaemonSet")["space-node"]["spec"]["template"]["spec"]
     host_paths = sorted(v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v)
-    assert host_paths == ["/dev", "/lib/modules", "/run/netns", "/sys/fs/cgroup", "/var/cache/space", "/var/lib/space"]
+    assert host_paths == ["/dev", "/lib/modules", "/run/netns", "/run/space", "/sys/fs/cgroup", "/var/cache/space",
+                          "/var/lib/space"]
     assert (ds["hostPID"], ds["hostNetwork"]) == (True, True)
     assert ds["nodeSelector"] == {"space.dev/sandboxes": "true"}
     assert {"key": "space.dev/sandboxes", "operator": "Equal", "value": "true", "effect": "NoSchedule"} \
