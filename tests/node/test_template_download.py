@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from space import objauth
-from space.errors import ObjectTampered, SnapshotCorrupt
+from space.errors import ObjectTampered, SnapshotCorrupt, Unavailable
 from space.node.storage.pool import Pool
 from space.node.templates import objects as template_objects
 from space.node.templates.objects import StreamRef
@@ -212,3 +212,47 @@ async def test_a_stream_a_snapshot_names_but_storage_lacks_is_not_replaced_by_a_
     info = await store.ensure(spec, stream=stream)
     assert store.downloads == 1 and info.source == "receive"
     assert store.verified_path(spec["name"], info.digest, stream.sha256).exists()
+
+
+async def test_what_object_storage_holds_wins_over_a_stream_of_the_nodes_own(
+    btrfs_pool: Pool, pool_factory: PoolFactory, tmp_path: Path
+) -> None:
+    """The host's cache holds a stream of the same template from another pool (another lineage):
+    a node materializing it while object storage holds the deployment's stream receives that one.
+    Its sandboxes' disks ship as deltas against the template, found by the template's identity on
+    the receiving node; with the cache's stream a drain off this node failed with 'cannot find
+    parent subvolume' on every other node."""
+    objects = ObjectStore.from_url(str(tmp_path / "objects"))
+    spec, published = await _published(btrfs_pool, tmp_path / "origin-cache", objects)
+    origin_blob = (btrfs_pool.template_path(spec["name"], spec_digest(spec)) / "blob").read_bytes()
+
+    host_cache = tmp_path / "host-cache"
+    elsewhere = TemplateStore(pool_factory("another-pool"), host_cache, builder=_tiny_builder)
+    await elsewhere.ensure(spec)  # the same spec, built apart: other bytes, another identity
+    assert elsewhere.stream_path(spec["name"], spec_digest(spec)).exists()
+
+    node = pool_factory("node-with-host-cache")
+    builds = Builds()
+    store = TemplateStore(node, host_cache, builder=builds, objects=objects, keys=KEYS)
+    info = await store.ensure(spec)
+    assert (builds.n, store.downloads, info.source) == (0, 1, "receive")
+    assert (info.path / "blob").read_bytes() == origin_blob
+    assert store.verified_path(spec["name"], info.digest, published.sha256).exists()
+
+
+async def test_with_object_storage_unreachable_the_nodes_own_stream_still_serves(
+    btrfs_pool: Pool, pool_factory: PoolFactory, tmp_path: Path
+) -> None:
+    objects = ObjectStore.from_url(str(tmp_path / "objects"))
+    spec, _ = await _published(btrfs_pool, tmp_path / "origin-cache", objects)
+    host_cache = tmp_path / "host-cache"
+    await TemplateStore(pool_factory("another-pool"), host_cache, builder=_tiny_builder).ensure(spec)
+
+    class Down(ObjectStore):
+        async def get_bytes(self, key: str) -> bytes:
+            raise Unavailable("object storage unreachable")
+
+    down = Down.from_url(str(tmp_path / "objects"))
+    store = TemplateStore(pool_factory("node-offline"), host_cache, builder=Builds(), objects=down, keys=KEYS)
+    info = await store.ensure(spec)
+    assert info.source == "receive" and store.downloads == 0

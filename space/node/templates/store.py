@@ -58,6 +58,7 @@ from space.errors import (
     RuntimeFailure,
     SnapshotCorrupt,
     SpaceError,
+    Unavailable,
     ValidationFailed,
 )
 from space.node.helper import build_scripts, verbs_template
@@ -306,10 +307,19 @@ class TemplateStore:
 
         stream = self.stream_path(name, digest)
         fetched_from_objects: Path | None = None
-        if not force and (want is not None or not stream.exists()) and self.objects is not None:
-            # Raises when object storage holds something unauthentic: that is never received,
-            # nor papered over by a build.
-            fetched_from_objects = await self._fetch(spec, digest, want, emit)
+        if not force and self.objects is not None:
+            # What object storage holds comes first, even with a stream of this node's own in the
+            # cache (the host's, from another pool): every node must receive the same stream, since
+            # a sandbox's disk ships as a delta against its template, which the receiving node finds
+            # by the template's identity. Raises when object storage holds something unauthentic:
+            # that is never received, nor papered over by a build.
+            try:
+                fetched_from_objects = await self._fetch(spec, digest, want, emit)
+            except Unavailable as exc:
+                if want is not None or not stream.exists():
+                    raise
+                log.warning("template.objects_unavailable", template=label, error=exc.message,
+                            hint="received from this node's cache: its sandboxes may not move to other nodes")
             if fetched_from_objects is not None:
                 stream = fetched_from_objects
         elif want is not None and not force:
