@@ -177,3 +177,30 @@ def test_a_kill_or_stop_ends_the_shim_first_and_waits_for_it(tmp_path: Path) -> 
             proc.wait()
         for fd in (to_guest_r, from_guest_w):
             os.close(fd)
+
+
+def test_a_fenced_instance_dies_of_its_kill(tmp_path: Path) -> None:
+    """A node's teardown (or a stray's removal) SIGKILLs an instance its shim froze: the kill lands
+    only once the freezer thaws it, so the kill thaws it too. (Leaked frozen sandboxes outlived a
+    teardown before.)"""
+    from space.node.helper import verbs_runtime
+
+    if os.geteuid() != 0 or not FREEZER.is_dir():
+        pytest.skip("needs root and the v1 freezer hierarchy")
+    instance = f"space-test-{secrets.token_hex(4)}"
+    cg = verbs_runtime.FREEZER / instance
+    cg.mkdir(parents=True)
+    proc = subprocess.Popen(["sleep", "600"])
+    try:
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+        (cg / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: state(cg) == "FROZEN", 10, "the freezer to settle")
+        verbs_runtime.kill_thawed({proc.pid: instance})
+        assert proc.wait(timeout=10) == -9
+    finally:
+        (cg / "freezer.state").write_text("THAWED")
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        wait_for(lambda: not (cg / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
+        cg.rmdir()

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,9 +140,7 @@ async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Co
     instance in ``only``); the instances whose processes it killed."""
     victims = {pid: inst for pid, inst in runsc_processes(r).items()
                if (only is None or inst in only) and inst not in keep}
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
+    kill_thawed(victims)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10.0
     while (left := [p for p in victims if _alive(p)]) and loop.time() < deadline:
@@ -158,6 +156,17 @@ async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Co
     if victims:
         log.warning("runtime.strays_killed", instances=instances, pids=sorted(victims), left=left)
     return instances
+
+
+def kill_thawed(victims: Mapping[int, str]) -> None:
+    """SIGKILL each pid, then thaw its instance's freezer cgroup: a task frozen there (a sandbox its
+    shim fenced when the node's lease ran out) dies of its SIGKILL only once thawed, and would
+    otherwise outlive a node's teardown. Killed first, so that thawed it runs nothing of its own."""
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    for inst in sorted(set(victims.values())):
+        _thaw(inst)
 
 
 def _remove_cgroups(instances: list[str]) -> list[Path]:
