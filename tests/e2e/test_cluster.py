@@ -24,6 +24,7 @@ import base64
 import concurrent.futures
 import json
 import re
+import ssl
 import subprocess
 import threading
 import time
@@ -602,11 +603,12 @@ def test_a_node_joins_over_https_to_a_replica_serving_the_cluster_cas_certificat
     api = Proc("api-tls", [*c._control_argv("api"), "--listen", f"127.0.0.1:{port}", *tls],
                c.work / "api-tls.log", c._control_env())
     api.start()
+    trusting = ssl.create_default_context(cafile=str(ca_file))
     try:
         def ready() -> bool:
             api.check_alive()
             try:
-                return httpx.get(f"https://localhost:{port}/readyz", verify=str(ca_file), timeout=2).status_code == 200
+                return httpx.get(f"https://localhost:{port}/readyz", verify=trusting, timeout=2).status_code == 200
             except httpx.ConnectError:
                 return False
 
