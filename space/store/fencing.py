@@ -9,6 +9,8 @@ transaction made under :func:`fenced` first locks the operation's row and checks
 still this holder's (:class:`space.errors.LeaseLost` otherwise), in the same transaction: a claim
 by another controller (an update of that row) either commits before, and the stale write is
 refused, or waits until the stale write has committed, and the new attempt sees it.
+
+On SQLite (one process, one controller: every claim is its own) writes are not fenced.
 """
 
 from __future__ import annotations
