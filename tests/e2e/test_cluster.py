@@ -402,20 +402,27 @@ LOUD_COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.5; done"
 
 
 def _numbers(c: httpx.Client, sid: str, cid: str, at_least: int, timeout: float = 60) -> list[int]:
-    """What the counter printed from its start, read until it printed ``at_least``."""
+    """What the counter printed from its start, read until it printed ``at_least``. Like the SDK, it
+    reads again when the stream ends early: right after a move, a replica whose node rows are up to
+    a second old may still reach the old copy, whose streams end (``moved``) as it is removed."""
     deadline = time.monotonic() + timeout
     out = b""
-    with c.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
-                  timeout=httpx.Timeout(timeout, read=10)) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data:") and '"data"' in line:
-                out += base64.b64decode(json.loads(line[5:])["data"])
-                got = [int(x) for x in out.split()]
-                if got and got[-1] >= at_least:
-                    return got
-            assert time.monotonic() < deadline, f"{sid}'s counter did not reach {at_least}: {out[-200:]!r}"
-    raise AssertionError(f"{sid}'s counter stream ended at {out[-200:]!r}")
+    while time.monotonic() < deadline:
+        out = b""
+        try:
+            with c.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
+                          timeout=httpx.Timeout(timeout, read=10)) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data:") and '"data"' in line:
+                        out += base64.b64decode(json.loads(line[5:])["data"])
+                        got = [int(x) for x in out.split()]
+                        if got and got[-1] >= at_least:
+                            return got
+                    assert time.monotonic() < deadline, f"{sid}'s counter did not reach {at_least}: {out[-200:]!r}"
+        except httpx.TransportError:
+            continue  # cut short (the old copy went): read again
+    raise AssertionError(f"{sid}'s counter did not reach {at_least} in {timeout:.0f} s: {out[-200:]!r}")
 
 
 def _controller_stalled_at(c: Cluster, failpoint: str) -> Proc | None:
