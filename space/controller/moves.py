@@ -102,7 +102,14 @@ class Moves:
         snap_id = str(op.request["snapshot"])
         progress = dict((await self.store.get_operation(op.id)).progress or {})
         if sb.state == back and sb.node_id != source:
-            # Moved already (a controller crashed after the switch): only the old copy is left.
+            # Moved already (a controller crashed after the switch): its event, should the crash
+            # have come before it, and the old copy are left.
+            if not any(e.kind == "moved" and (e.data or {}).get("snapshot") == snap_id
+                       for e in await self.store.list_events(sb.id)):
+                await self.lifecycle.event(
+                    sb, "moved", f"moved from node {source} to node {sb.node_id} (its controller stopped "
+                    "after the switch)", from_node=source, node=sb.node_id, snapshot=snap_id,
+                    drain=op.request.get("drain"))
             await self._leave(sb, source, snap_id)
             return {"sandbox_id": sb.id, "node_id": sb.node_id, "from_node": source}
         if sb.state != State.MOVING:

@@ -195,6 +195,15 @@ async def test_after_a_crash_past_the_switch_only_the_old_copy_is_removed(
             await other_registry.aclose()
         assert [(n, m, r) for n, m, _, r in _calls(log, sid)] == [("node-old", "DELETE", "moved")]
         assert (await store.get_sandbox(sid)).evict_node is None
+        # The crash came before the moved event: the one that finished records it, once.
+        moved = [e for e in await store.list_events(sid) if e.kind == "moved"]
+        assert len(moved) == 1 and moved[0].data["from_node"] == "node-old", moved
+        again, again_registry = await _controller(store)
+        try:
+            await again.moves.move(await store.get_operation(op.id))
+        finally:
+            await again_registry.aclose()
+        assert len([e for e in await store.list_events(sid) if e.kind == "moved"]) == 1
     finally:
         await registry.aclose()
 
