@@ -132,6 +132,19 @@ def _san(host: str) -> x509.GeneralName:
     return x509.DNSName(name)
 
 
+def _host_sans(hosts: Sequence[str], what: str) -> list[x509.GeneralName]:
+    """The SAN entries of ``hosts`` (a sequence, not one string), deduplicated: at least one, at
+    most :data:`MAX_HOSTS`."""
+    if isinstance(hosts, str):
+        raise PKIError("hosts must be a sequence of host names, not one string")
+    sans = list(dict.fromkeys(_san(h) for h in hosts))
+    if not sans:
+        raise PKIError(f"{what} needs at least one host")
+    if len(sans) > MAX_HOSTS:
+        raise PKIError(f"{len(sans)} hosts, at most {MAX_HOSTS}")
+    return sans
+
+
 def _subject(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn),
                       x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION)])
@@ -280,14 +293,8 @@ class ClusterCA:
         """
         _check_name(node_id, "node id")
         _check_days(days)
-        if isinstance(hosts, str):
-            raise PKIError("hosts must be a sequence of host names, not one string")
-        hosts_sans = list(dict.fromkeys(_san(h) for h in hosts))
-        if not hosts_sans:
-            raise PKIError("a node certificate needs at least one host")
+        hosts_sans = _host_sans(hosts, "a node certificate")
         sans = list(dict.fromkeys([x509.DNSName(identity_name(node_id)), *hosts_sans]))
-        if len(hosts_sans) > MAX_HOSTS:
-            raise PKIError(f"{len(hosts_sans)} hosts, at most {MAX_HOSTS}")
         if not isinstance(csr_pem, bytes):
             raise PKIError(f"CSR: expected PEM bytes, got {type(csr_pem).__name__}")
         if len(csr_pem) > MAX_CSR_BYTES:
@@ -319,7 +326,6 @@ class ClusterCA:
         cert = self._leaf(_subject(CLIENT_PREFIX + name), key.public_key(), [], ExtendedKeyUsageOID.CLIENT_AUTH, days)
         return cert, _private_pem(key)
 
-
     def issue_api_server(self, hosts: Sequence[str], *, days: int = 365) -> tuple[bytes, bytes]:
         """A fresh key and a serving certificate for the API replicas: ``(cert_pem, key_pem)``.
 
@@ -329,13 +335,7 @@ class ClusterCA:
         control plane's client certificate.
         """
         _check_days(days)
-        if isinstance(hosts, str):
-            raise PKIError("hosts must be a sequence of host names, not one string")
-        sans = list(dict.fromkeys(_san(h) for h in hosts))
-        if not sans:
-            raise PKIError("an API certificate needs at least one host")
-        if len(sans) > MAX_HOSTS:
-            raise PKIError(f"{len(sans)} hosts, at most {MAX_HOSTS}")
+        sans = _host_sans(hosts, "an API certificate")
         if any(isinstance(n, x509.DNSName) and n.value.endswith(IDENTITY_SUFFIX) for n in sans):
             raise PKIError(f"an API certificate cannot name a node identity (*{IDENTITY_SUFFIX})")
         key = ec.generate_private_key(ec.SECP256R1())
