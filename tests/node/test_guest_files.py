@@ -9,6 +9,7 @@ never written into the install tree by a running node.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def test_an_unprepared_package_is_not_written_a_copy_is_prepared(package: Path, 
     assert _tree(package) == before, "the install tree was written"
     assert guest_files.prepared_from(got) == guest_files.sources_digest(package)
     assert (got / "space-spawn").exists() and (got / "daemon.py").read_bytes() == (package / "daemon.py").read_bytes()
+    # Every sandbox runs it as PID 1: nobody but its owner (root, who made it) may change it.
+    for p in [got, *got.rglob("*")]:
+        assert p.stat().st_uid == os.getuid() and not p.stat().st_mode & 0o022, p
     stamp = (got / guest_files.STAMP).stat().st_mtime
     assert guest_files.guest_dir(data) == got and (got / guest_files.STAMP).stat().st_mtime == stamp  # reused
 
