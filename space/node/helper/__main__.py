@@ -22,7 +22,7 @@ from pathlib import Path
 
 import structlog
 
-from space.egress_policy import parse_sandbox_network
+from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
 from space.errors import InvalidRequest
 from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="proxy,transparent,dns ports of the egress gateway")
     p.add_argument("--gateway-config", type=_gateway, default=None, help="JSON: how to run the gateway")
     p.add_argument("--runsc", default="runsc")
-    p.add_argument("--sandbox-network", type=_sandbox_network, default=None,
+    p.add_argument("--sandbox-network", type=_sandbox_network, default=DEFAULT_SANDBOX_NETWORK,
                    help="the deployment's sandbox address range (default 10.208.0.0/12); the node takes a /20")
     p.add_argument("--mirror", action="append", default=[], type=_mirror,
                    help="a Debian mirror template builds may debootstrap from (repeatable; default "
@@ -111,7 +111,7 @@ async def _main(args: argparse.Namespace) -> None:
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
                         agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
-                        **({"sandbox_network": args.sandbox_network} if args.sandbox_network else {}))
+                        sandbox_network=args.sandbox_network)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
