@@ -389,6 +389,9 @@ async def teardown_node(data_dir: Path, cache_dir: Path = Path("/var/cache/space
     await egress.gateway.stop()
     await egress.network.teardown()
     await pool.teardown()
+    from space.node.helper import placement
+
+    placement.remove_empty_shim_groups()  # unless another node's shims are in them
     # The short-path directory of this node's sockets (node API, shims) goes with it.
     shutil.rmtree(channel_dir_for(data_dir), ignore_errors=True)
     return n

@@ -99,6 +99,7 @@ class GVisorDriver:
                 cwd="/",
                 env=childenv.build("shim", {"PYTHONPATH": _package_root()}),
             )
+            args["shim_pid"] = shim.pid  # the helper moves it out of this process's cgroups
             guest_log = open(spec.workdir / "guest.log", "ab")  # noqa: SIM115, ASYNC230
             try:
                 await self.priv.call("runtime.launch", args, fds={

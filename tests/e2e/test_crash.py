@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,6 +74,11 @@ def test_sandboxes_survive_a_server_restart(fresh_server: Server) -> None:
         assert wait_operation(api, r.json()["operation"]["id"])["status"] == "succeeded"
         run(api, sid, {"shell": "echo kept > /home/user/state.txt"})
         bg = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": "sleep 1000"}).json()["id"]
+        # The shim holds the channel; it is out of the agent's cgroups (what a container runtime
+        # or systemd kills the agent by) in every hierarchy: tests/deploy/test_containers.py.
+        shim = _shim_of(api.get(f"/v1/sandboxes/{sid}").json()["instance_id"])
+        groups = {line.split(":", 2)[2] for line in Path(f"/proc/{shim}/cgroup").read_text().splitlines()}
+        assert groups == {"/space/shims"}, groups
     srv.kill()
     srv.start()
     with srv.client() as api:
@@ -83,8 +89,16 @@ def test_sandboxes_survive_a_server_restart(fresh_server: Server) -> None:
         api.delete(f"/v1/sandboxes/{sid}")
 
 
-
-
+def _shim_of(instance: str) -> int:
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                argv = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"space.runtime.shim" in argv and any(a.endswith(f"/{instance}.sock".encode()) for a in argv):
+                return int(p.name)
+    raise AssertionError(f"no shim of instance {instance}")
 
 
 def test_node_agent_crash_loses_nothing(server: Server, api: httpx.Client) -> None:

@@ -61,6 +61,31 @@ def test_open_from_another_process_adopts_the_mount(pool_factory: PoolFactory) -
     assert mount_count(pool.root) == 1
 
 
+def test_a_loop_attached_through_another_mount_namespace_is_still_the_nodes_own(
+        pool_factory: PoolFactory, tmp_path: Path) -> None:
+    """A node agent's previous container attached the loop device through its own mount of the
+    data dir, now gone: the kernel shows the backing file's path relative to that mount. The pool
+    is still this node's loop file (by the file's identity), not someone else's mount: it keeps
+    its disk limits and is detached at teardown."""
+    pool = pool_factory("node")
+    image = pool.data_dir / "pool.img"
+    subprocess.run(["umount", str(pool.root)], check=True)
+    subprocess.run(["losetup", "-d", str(pool.device)], check=True)
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    attached = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" "$2" && losetup -f --show "$2/pool.img"', "attach", str(pool.data_dir), str(alias)],
+        capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["mount", "-t", "btrfs", attached, str(pool.root)], check=True)
+    backing = Path(f"/sys/block/{Path(attached).name}/loop/backing_file").read_text().strip()
+    assert backing != str(image)  # what made the node take its own pool for a foreign mount
+
+    again = pool_factory("node")
+
+    assert (again.kind, str(again.device)) == (PoolKind.LOOP, attached)
+
+
 def test_open_after_a_crash_between_attach_and_mount_reuses_the_device(pool_factory: PoolFactory) -> None:
     pool = pool_factory("node")
     # What a crash after `losetup` but before `mount` leaves: an attached, unmounted loop device.

@@ -39,8 +39,9 @@ def _sink(on_line: LineCallback | None) -> Callable[[str], Awaitable[None]] | No
 
 async def invoke(ctx: HelperContext, verb: str, args: Mapping[str, Any] | None, *,
                  fds: Mapping[str, int] | None = None, on_line: LineCallback | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:
-    """Validate and run one verb in this process: what both backends' server side does."""
+                 timeout: float | None = None, peer_pid: int | None = None) -> dict[str, Any]:
+    """Validate and run one verb in this process: what both backends' server side does
+    (``peer_pid``: the caller's pid; None: this process)."""
     v = lookup(verb)
     given = dict(fds or {})
     if set(given) - set(v.fds):
@@ -50,7 +51,7 @@ async def invoke(ctx: HelperContext, verb: str, args: Mapping[str, Any] | None, 
     started = time.monotonic()
     try:
         async with asyncio.timeout(limit):
-            result = await v.fn(ctx, parsed, Call(given, _sink(on_line)))
+            result = await v.fn(ctx, parsed, Call(given, _sink(on_line), peer_pid or os.getpid()))
     except TimeoutError:
         log.warning("helper.timeout", verb=verb, timeout=limit)
         raise Timeout(f"privileged {verb} timed out after {limit:g}s", verb=verb) from None

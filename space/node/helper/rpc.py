@@ -250,7 +250,7 @@ class HelperServer:
                 raise _PeerGone() from exc
 
         call = asyncio.create_task(invoke(self.ctx, verb, args, fds=dict(zip(roles, fds, strict=True)),
-                                          on_line=send_line, timeout=timeout))
+                                          on_line=send_line, timeout=timeout, peer_pid=pid))
         self._verbs.add(call)
         call.add_done_callback(self._verbs.discard)
         # A request is one frame: anything the client sends afterwards is its EOF (or misbehaviour).

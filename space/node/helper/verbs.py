@@ -102,6 +102,8 @@ class Call:
 
     fds: Mapping[str, int] = field(default_factory=dict)
     emit: LineSink | None = None
+    #: The calling process, as the kernel named it (``SO_PEERCRED``; this process in-process).
+    peer_pid: int = field(default_factory=os.getpid)
 
     async def line(self, text: str) -> None:
         if self.emit is not None:

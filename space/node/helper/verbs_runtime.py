@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from space.errors import Conflict, InsufficientStorage, InvalidPath, InvalidRequest, NotFound, RuntimeFailure
-from space.node.helper import privileged
+from space.node.helper import placement, privileged
 from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
 from space.node.helper.verbs_net import MAX_INDEX, NodeNet
 from space.runtime.base import InstanceSpec
@@ -269,6 +269,8 @@ class LaunchArgs:
     #: restore: the snapshot whose memory image to restore (``sandboxes/<sandbox>/snapshots/<snapshot>``)
     image_sandbox: str | None = field(default=None, metadata=check(is_id, "a sandbox id"))
     image_snapshot: str | None = field(default=None, metadata=check(is_id, "a snapshot id"))
+    #: The instance's shim (the caller's child), moved out of the caller's cgroups first (placement).
+    shim_pid: int | None = field(default=None, metadata=check(lambda v: 1 < v < 1 << 22, "a pid"))
 
 
 @verb("runtime.launch", LaunchArgs, cap=300, fds=("stdin", "stdout", "stderr"))
@@ -285,6 +287,8 @@ async def runtime_launch(ctx: HelperContext, a: LaunchArgs, call: Call) -> dict[
     restore = a.kind == "restore"
     if restore != (a.image_sandbox is not None and a.image_snapshot is not None):
         raise InvalidRequest("a restore and only a restore names its image (image_sandbox, image_snapshot)")
+    if a.shim_pid is not None:
+        _place_shim(ctx, a.shim_pid, call.peer_pid)
     held = [open_dir(ctx.pool, "sandboxes", a.sandbox, "rootfs", subvolume=True)]
     try:
         if restore:
@@ -295,6 +299,18 @@ async def runtime_launch(ctx: HelperContext, a: LaunchArgs, call: Call) -> dict[
     finally:
         for fd in held:
             os.close(fd)
+
+
+def _place_shim(ctx: HelperContext, pid: int, caller: int) -> None:
+    """The shim out of the agent's cgroups, so that the sandbox outlives whatever stops the agent
+    by its cgroup. A host that refuses (a private cgroup namespace) still runs the sandbox: it
+    then lives only as long as the agent's cgroup, and says so."""
+    placement.check_shim(pid, parent=caller, uid=0 if ctx.agent_uid is None else ctx.agent_uid)
+    try:
+        placement.place_shim(pid)
+    except RuntimeFailure as exc:
+        log.warning("runtime.shim_not_placed", pid=pid, error=exc.message,
+                    consequence="the sandbox stops with the node agent's cgroup")
 
 
 async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootfs_fd: int,

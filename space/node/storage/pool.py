@@ -22,6 +22,7 @@ import fcntl
 import os
 import re
 import stat
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
@@ -135,15 +136,32 @@ def _is_self_bind(mountpoint: Path, data_dir: Path) -> bool:
         return False
 
 
-def _loop_backing_file(device: str) -> Path | None:
-    name = os.path.basename(device)
-    if not name.startswith("loop"):
-        return None
+#: ioctl LOOP_GET_STATUS64 and its struct loop_info64's leading fields: the backing file's
+#: device and inode (both u64; 232 bytes in all).
+_LOOP_GET_STATUS64 = 0x4C05
+_LOOP_INFO64_SIZE = 232
+
+
+def _loop_backs(device: str, image: Path) -> bool:
+    """Whether loop ``device`` is backed by the file ``image``, by the file's identity (device and
+    inode). Not by the path the kernel shows: that is the path through the mount the loop was set
+    up through, and a loop set up in another mount namespace (the previous container of a node
+    agent's pod) shows a path relative to that mount (``/data/pool.img``), not this one's."""
+    if not os.path.basename(device).startswith("loop"):
+        return False
     try:
-        backing = Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
+        want = os.stat(image)
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
-    return Path(backing)
+        return False
+    try:
+        info = fcntl.ioctl(fd, _LOOP_GET_STATUS64, bytes(_LOOP_INFO64_SIZE))
+    except OSError:  # not a loop device, or one with nothing attached
+        return False
+    finally:
+        os.close(fd)
+    backing_dev, backing_ino = struct.unpack_from("=QQ", info)
+    return (backing_dev, backing_ino) == (want.st_dev, want.st_ino)
 
 
 def _same_device(a: str | Path, b: str | Path) -> bool:
@@ -228,7 +246,7 @@ class Pool:
             # Adopted (after a crash, an upgrade, or the operator's own): the flags hold whatever
             # mounted it.
             await _harden(mounted)
-            if _loop_backing_file(mounted.source) == image:
+            if _loop_backs(mounted.source, image):
                 return cls(mountpoint, kind=PoolKind.LOOP, data_dir=data_dir, image=image,
                            device=Path(mounted.source))
             if device is not None and _same_device(mounted.source, device):
