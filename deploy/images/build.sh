@@ -116,21 +116,43 @@ sbom "$root" space
 commit_image "$root" space 10001:10001 '["/opt/space/.venv/bin/space"]'
 
 # -- 4. space-node: the node agent, root (it drops to space-node once its helper runs) ---------------
-say "space-node: root"
-root=$(fresh_root space-node)
+# Its Debian packages and users, once per package set (what changes with the checkout comes after).
 node_pkgs="btrfs-progs nftables iproute2 util-linux mount zstd debootstrap procps acl publicsuffix kmod"
-in_root "$root" apt-get update -qq
-in_root "$root" apt-get install -y -qq --no-install-recommends $node_pkgs >/dev/null
-# runsc from trixie (its 2024 build; RUNTIME_NOTES.md), pinned so that nothing else comes from trixie.
-cat > "$root/etc/apt/sources.list.d/trixie.sources" <<SRC
+node_base=$work/root-$suite-node-$(printf '%s|%s|runsc:trixie|users:2' "$base_pkgs" "$node_pkgs" | sha256sum | cut -c1-12)
+if [ ! -x "$node_base/usr/bin/runsc" ]; then
+  say "space-node: Debian packages ($node_pkgs; runsc from trixie)"
+  rm -rf "$node_base.tmp"
+  cp -a "$base" "$node_base.tmp"
+  in_root "$node_base.tmp" apt-get update -qq
+  in_root "$node_base.tmp" apt-get install -y -qq --no-install-recommends $node_pkgs >/dev/null
+  # runsc from trixie (its 2024 build; RUNTIME_NOTES.md), pinned so that nothing else comes from trixie.
+  cat > "$node_base.tmp/etc/apt/sources.list.d/trixie.sources" <<SRC
 Types: deb
 URIs: $mirror
 Suites: trixie
 Components: main
 SRC
-printf 'Package: *\nPin: release n=trixie\nPin-Priority: 100\n' > "$root/etc/apt/preferences.d/trixie"
-in_root "$root" apt-get update -qq
-in_root "$root" apt-get install -y -qq --no-install-recommends -t trixie runsc >/dev/null
+  printf 'Package: *\nPin: release n=trixie\nPin-Priority: 100\n' > "$node_base.tmp/etc/apt/preferences.d/trixie"
+  in_root "$node_base.tmp" apt-get update -qq
+  in_root "$node_base.tmp" apt-get install -y -qq --no-install-recommends -t trixie runsc >/dev/null
+  # Fixed uids, outside the range distributions give their system users: with the host's PID
+  # namespace (hostPID), the host sees these processes by uid, and must not take them for its own.
+  in_root "$node_base.tmp" groupadd --system --gid 10001 space
+  in_root "$node_base.tmp" useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin space
+  in_root "$node_base.tmp" groupadd --system --gid 10002 space-node
+  in_root "$node_base.tmp" useradd --system --uid 10002 --gid 10002 --groups space --no-create-home \
+    --home-dir /nonexistent --shell /usr/sbin/nologin space-node
+  in_root "$node_base.tmp" groupadd --system --gid 10003 space-gw
+  in_root "$node_base.tmp" useradd --system --uid 10003 --gid 10003 --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin space-gw
+  rm -rf "$node_base"
+  mv "$node_base.tmp" "$node_base"
+fi
+say "space-node: root"
+root=$work/space-node
+rm -rf "$root"
+cp -a "$node_base" "$root"
 in_root "$root" python3 -m venv /opt/space/.venv
 in_root "$root" /opt/space/.venv/bin/pip install -q --no-index --find-links /tmp/wheels/wheels "$dist"
 in_root "$root" python3 -m venv /opt/space/.venv-gateway
@@ -143,11 +165,6 @@ in_root "$root" /opt/space/.venv-gateway/bin/pip install -q --no-index --no-deps
 guest=$(in_root "$root" /opt/space/.venv/bin/python -c 'import space.guest, os; print(os.path.dirname(space.guest.__file__))')
 gcc -O2 -static -o "$root$guest/space-spawn" "$repo/space/guest/spawn.c"
 in_root "$root" /opt/space/.venv/bin/space node prepare-guest >/dev/null
-for u in space space-gw; do
-  in_root "$root" useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$u"
-done
-in_root "$root" useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
-  --groups space space-node
 sbom "$root" space-node
 commit_image "$root" space-node 0:0 '["/opt/space/.venv/bin/space"]'
 say "done: $out/space.tar, $out/space-node.tar (+ .sbom.txt)"

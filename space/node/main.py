@@ -405,4 +405,9 @@ def _die_with_parent() -> None:
 
 
 def run(settings: NodeSettings) -> None:
+    if os.geteuid() == 0:
+        from space.node.helper import placement
+
+        if placement.enter_host_cgroup_namespace():
+            log.info("node.host_cgroup_namespace", reason="sandboxes are placed in cgroups outside the pod's")
     asyncio.run(serve_node(settings))

@@ -18,6 +18,7 @@ pid, so the pid cannot be another process's by the time it is moved.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 from dataclasses import dataclass
@@ -116,6 +117,35 @@ def _make_group(root: Path, rel: Path) -> None:
             mine = group / name
             if mine.exists() and not mine.read_text().strip():
                 mine.write_text((parent / name).read_text())
+
+
+#: setns(2)'s namespace type of a cgroup namespace.
+_CLONE_NEWCGROUP = 0x02000000
+
+
+def enter_host_cgroup_namespace(init: Path = Path("/proc/1")) -> bool:
+    """Join the cgroup namespace of the host's init, if this process is in another one and sees
+    the host's processes (a Kubernetes pod with ``hostPID``: on cgroup v2 hosts its containers
+    get a cgroup namespace of their own). Whether it moved.
+
+    Inside its own namespace the node could move no process to a cgroup outside the pod's -- not
+    runsc its sandboxes, not the helper the shims (the kernel answers ENOENT) -- and a sandbox
+    would die with the pod. Called before the node starts a thread or a process: a namespace is
+    a thread's, and processes inherit their creator's."""
+    try:
+        if os.stat(init / "ns" / "cgroup").st_ino == os.stat("/proc/self/ns/cgroup").st_ino:
+            return False
+        fd = os.open(init / "ns" / "cgroup", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no host PID namespace, or no /proc/1 of ours to read: nothing to join
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWCGROUP) != 0:
+            err = ctypes.get_errno()
+            raise RuntimeFailure(f"cannot join the host's cgroup namespace: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    return True
 
 
 def remove_empty_shim_groups(found: list[Hierarchy] | None = None) -> None:
