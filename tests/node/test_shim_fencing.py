@@ -7,6 +7,8 @@ holding a real process, and a real shim process:
   not frozen again for the same lapse, but is for the next one
 - the lease file is hostile input to the shim: a symlink, a FIFO (which must not block it), a
   directory, garbage, an oversized file, inf or nan are no lease at all
+- the shim writes only a freezing value, only into a freezer file that exists, never through a
+  symlink
 - a shim started with the lease flags freezes its instance on its own while nothing else runs,
   and the driver hands it those flags only when the node has a lease; its arguments go together
 """
@@ -102,6 +104,28 @@ def test_a_lease_file_that_is_not_a_plain_number_is_no_lease(tmp_path: Path, kin
     assert read_lease_end(str(path_ok)) == 12.5
 
 
+def test_the_watch_writes_a_freezing_value_into_an_existing_freezer_file_only(tmp_path: Path) -> None:
+    """A freezer file that is not there (the instance is gone) is not created, a symlink there is
+    not followed, and nothing but a value that freezes (v1's or v2's) is ever written."""
+    lease, mark = tmp_path / "lease-end", tmp_path / "fenced"
+    publish(lease, shim.boottime() - GRACE - 1)
+    gone = tmp_path / "gone" / "cgroup.freeze"
+    gone.parent.mkdir()
+    assert not LeaseWatch(str(lease), str(gone), str(mark), freeze_value="1").check()
+    assert not gone.exists() and not mark.exists()
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    (tmp_path / "link").symlink_to(target)
+    assert not LeaseWatch(str(lease), str(tmp_path / "link"), str(mark), freeze_value="1").check()
+    assert target.read_text() == "" and not mark.exists()
+    with pytest.raises(ValueError, match="not a freezing value"):
+        LeaseWatch(str(lease), str(gone), str(mark), freeze_value="THAWED")
+    plain = tmp_path / "freezer.state"  # what a v1 freezer file takes by default
+    plain.write_text("")
+    assert LeaseWatch(str(lease), str(plain), str(mark)).check()
+    assert plain.read_text() == "FROZEN" and mark.exists()
+
+
 def test_a_shim_freezes_its_instance_on_its_own_when_the_lease_lapses(cgroup: Path, tmp_path: Path) -> None:
     lease, mark = tmp_path / "lease-end", tmp_path / "fenced"
     publish(lease, shim.boottime() + 1.0)  # runs out in a second; nobody renews it
@@ -125,10 +149,13 @@ def test_a_shim_freezes_its_instance_on_its_own_when_the_lease_lapses(cgroup: Pa
 
 
 def test_the_lease_arguments_go_together(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "space.runtime.shim", "--socket", str(tmp_path / "s"),
-                          "--to-guest-fd", "0", "--from-guest-fd", "1", "--lease-file", str(tmp_path / "l")],
-                         capture_output=True, text=True, timeout=30, check=False)
+    base = [sys.executable, "-m", "space.runtime.shim", "--socket", str(tmp_path / "s"),
+            "--to-guest-fd", "0", "--from-guest-fd", "1", "--lease-file", str(tmp_path / "l")]
+    out = subprocess.run(base, capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 2 and "go together" in out.stderr
+    out = subprocess.run([*base, "--freeze-file", str(tmp_path / "f"), "--fence-mark", str(tmp_path / "m"),
+                          "--freeze-value", "THAWED"], capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 2 and "--freeze-value" in out.stderr
 
 
 def test_the_driver_gives_shims_the_lease_only_when_the_node_has_one(tmp_path: Path) -> None:
