@@ -1,4 +1,5 @@
-"""Where an instance's cgroup files are, per cgroup version (space.runtime.cgroups).
+"""Where an instance's cgroup files are, per cgroup version (space.runtime.cgroups), and everything
+that goes through it: the runtime driver, the stats, the root helper's removal and delegation.
 
 - detection: v2 (unified; also as a container's cgroup namespace root), v1, hybrid (v1 controllers
   beside a ``unified/`` v2 tree) counts as v1; a host SPACE cannot run on is refused with a message
@@ -10,6 +11,7 @@
   CPU weight (v1 shares as they are, v2 ``cpu.weight`` through runc's and runsc's map: 2 -> 1,
   1024 -> 39, 262144 -> 10000), OOM kills, usage readings, the files the agent is given, the
   directories a removal rmdirs, whether processes remain
+- the driver, the stats, and the helper's removal and delegation use the object they are given
 - for real, on a cgroup2 filesystem mounted here: a process frozen and thawed through CgroupsV2,
   the cgroup kept while it lives and removed once it is gone, and detection refusing the mount
   (its controllers are bound to v1 on this host)
@@ -22,14 +24,19 @@ on fake trees. (The v1 side runs for real in tests/node/test_shim_fencing.py and
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
 from space import errors
+from space.node.helper import verbs_runtime
+from space.node.helper.verbs import HelperContext
+from space.node.sandboxes import stats
 from space.runtime import cgroups
 from space.runtime.cgroups import CgroupsV1, CgroupsV2, Usage, detect, shares_to_weight
+from space.runtime.gvisor import GVisorDriver
 from tests.node.cgroupkit import cgroup2_root, instance_name, sleeper_in_v2
 from tests.waiting import wait_for
 
@@ -235,6 +242,23 @@ def test_usage_is_read_from_each_versions_files(tmp_path: Path) -> None:
     assert v2.usage(I).memory_limit == 256 << 20
 
 
+def test_the_stats_read_through_the_object_given(tmp_path: Path) -> None:
+    v2 = CgroupsV2(tmp_path)
+    group = tmp_path / "space" / I
+    touch(group / "cpu.stat", "usage_usec 1000\n")
+    touch(group / "memory.current", "4096\n")
+    touch(group / "memory.max", "max\n")
+    touch(group / "memory.stat", "file 1024\n")
+    got = asyncio.run(stats.sample(I, cpu_count=2, memory_mb=256, window=0.01, cgroups=v2))
+    assert got["cpu_used_pct"] == 0.0  # no CPU time went by between the readings
+    assert (got["mem_used"], got["mem_total"], got["mem_cache"]) == (4096, 256 << 20, 1024)
+    (group / "memory.max").write_text("1048576\n")
+    got = asyncio.run(stats.sample(I, cpu_count=2, memory_mb=256, window=0.01, cgroups=v2))
+    assert got["mem_total"] == 1 << 20
+    gone = asyncio.run(stats.sample("gone-00000", cpu_count=1, memory_mb=64, window=0.0, cgroups=v2))
+    assert gone["cpu_used_pct"] is None and gone["mem_used"] is None and gone["mem_total"] == 64 << 20
+
+
 def test_delegated_files_groups_to_remove_and_processes(tmp_path: Path) -> None:
     v1 = CgroupsV1(fake_v1(tmp_path / "v1"))
     touch(tmp_path / "v1" / "release_agent")  # a file in the root is no hierarchy
@@ -257,13 +281,56 @@ def test_delegated_files_groups_to_remove_and_processes(tmp_path: Path) -> None:
     assert not v1.has_processes(I) and not v2.has_processes(I)
 
 
+# -- what goes through it --------------------------------------------------------------------------
+
+
+def test_the_driver_freezes_weights_and_reads_ooms_through_its_object(tmp_path: Path) -> None:
+    v2 = CgroupsV2(tmp_path / "cg")
+    driver = GVisorDriver(None, tmp_path, cgroups=v2)  # type: ignore[arg-type]
+    freeze = touch(v2.freeze_file(I), "0\n")
+    weight = touch(v2.cpu_weight_file(I))
+    driver.freeze(I)
+    assert freeze.read_text() == "1" and driver._frozen(I)
+    driver.thaw(I)
+    assert freeze.read_text() == "0" and not driver._frozen(I)
+    driver.set_cpu_shares(I, 2)
+    assert weight.read_text() == "1"
+    driver.set_cpu_shares(I, 1024)
+    assert weight.read_text() == "39"
+    driver.freeze("gone-00000")  # no cgroup: nothing to freeze, no error
+    driver.set_cpu_shares("gone-00000", 2)  # logged, never raised: it is on a claim's hot path
+    assert asyncio.run(driver.death_cause(I)) is None
+    touch(v2.group(I) / "memory.events", "oom 1\noom_kill 1\n")
+    assert asyncio.run(driver.death_cause(I)) == "oom"
+
+
+def test_the_helper_removes_and_delegates_through_its_object(tmp_path: Path) -> None:
+    v2 = CgroupsV2(tmp_path / "cg")
+    ctx = HelperContext(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", cgroups=v2, agent_uid=4242)
+    r = verbs_runtime.Runsc(ctx)
+    assert r.cgroups is v2
+    empty, busy = v2.group("s1-empty"), v2.group(I)
+    empty.mkdir(parents=True)
+    touch(busy / "cgroup.procs", "1\n")  # rmdir fails here as on a cgroup with a task in it
+    assert verbs_runtime._remove_cgroups(v2, ["s1-empty", I, "gone-00000"]) == [busy]
+    assert not empty.exists() and busy.exists()
+
+    if os.geteuid() != 0:
+        pytest.skip("handing files to another uid needs root")
+    files = [touch(f) for f in v2.delegated_files(I)]
+    verbs_runtime._delegate_cgroup(ctx, v2, I)
+    assert [f.stat().st_uid for f in files] == [4242, 4242]
+    assert busy.stat().st_uid == 0  # the files alone, never the group: the agent can make no group
+    verbs_runtime._delegate_cgroup(ctx, v2, "gone-00000")  # no cgroup: nothing to hand over
+
+
 # -- for real, on a cgroup2 filesystem -------------------------------------------------------------
 
 
 def test_a_real_v2_group_freezes_thaws_and_goes(tmp_path: Path) -> None:
     """A process in ``<root>/space/<instance>`` of a cgroup2 mount, frozen and thawed through
     CgroupsV2 (the freeze is asynchronous: asked at once, finished when cgroup.events says so), its
-    group busy while it lives and removable once it is gone."""
+    group busy while it lives and removed (as the helper does) once it is gone."""
     with cgroup2_root(tmp_path) as root:
         cg, name = CgroupsV2(root), instance_name()
         group = cg.group(name)
@@ -280,11 +347,10 @@ def test_a_real_v2_group_freezes_thaws_and_goes(tmp_path: Path) -> None:
             assert not cg.is_frozen(name)
             wait_for(lambda: not cg.fully_frozen(name), 10, "the v2 thaw")
             assert "frozen 0" in (group / "cgroup.events").read_text().splitlines()
-            with pytest.raises(OSError):
-                group.rmdir()  # a task is still in it
+            assert verbs_runtime._remove_cgroups(cg, [name]) == [group]  # a task is still in it
         assert not cg.has_processes(name)
-        assert cg.instance_groups(name) == [group]
-        group.rmdir()
+        assert verbs_runtime._remove_cgroups(cg, [name]) == []
+        assert not group.exists()
 
 
 def test_detection_refuses_a_real_v2_tree_whose_controllers_v1_holds(tmp_path: Path) -> None:
