@@ -21,6 +21,7 @@ that body back into the same class with :func:`from_wire`.
     ├── SnapshotCorrupt       409 snapshot_corrupt
     │   └── ObjectTampered    409 object_tampered (object storage holds what this deployment did not write)
     ├── RuntimeFailure        500 runtime_error
+    │   └── CgroupsUnsupported 500 cgroups_unsupported (at a node's start: the host's cgroups lack what sandboxes need)
     ├── Internal              500 internal
     ├── BadGateway            502 bad_gateway     (a server inside a sandbox failed a proxied request)
     │   └── PortNotOpen       502 port_not_open
@@ -175,6 +176,13 @@ class RuntimeFailure(SpaceError):
 
     code = "runtime_error"
     status = 500
+
+
+class CgroupsUnsupported(RuntimeFailure):
+    """The host's cgroups cannot hold sandboxes (:mod:`space.runtime.cgroups`): raised when the node
+    agent or its root helper starts; the message says what is missing and what the operator can do."""
+
+    code = "cgroups_unsupported"
 
 
 class Internal(SpaceError):

@@ -37,6 +37,7 @@ from space.node.templates.store import TemplateStore
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
 from space.privdrop import PrivilegeError, ServiceUser, drop_privileges, require_access, require_code_access
+from space.runtime import cgroups
 from space.runtime.gvisor import GVisorDriver
 from space.web import GracefulServer
 
@@ -184,6 +185,10 @@ def prepare_channel_dir(settings: NodeSettings, owner: ServiceUser | None) -> No
 async def build_node(settings: NodeSettings) -> Node:
     """Open the pool and start the root helper (as root), hand the agent its state and drop to the
     node user, then bring up the node's parts through the helper."""
+    # First: a host whose cgroups cannot hold sandboxes (CgroupsUnsupported says what is missing)
+    # stops the node before it touches anything; the helper detects the same at its own start.
+    cg = cgroups.host()
+    log.info("node.cgroups", version=cg.version, root=str(cg.root))
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     pool = await Pool.open(settings.data_dir, size_gb=settings.pool_size_gb)
     user = node_user(settings)
@@ -219,7 +224,7 @@ async def build_node(settings: NodeSettings) -> Node:
                if settings.object_store_url else None)
     templates = TemplateStore(pool, settings.cache_dir, objects=objects,
                               keys=settings.manifest_keys if objects is not None else None)
-    driver = GVisorDriver(priv, pool.root, lease_file=lease_end_file(settings))
+    driver = GVisorDriver(priv, pool.root, lease_file=lease_end_file(settings), cgroups=cg)
     egress = await start_egress(settings, priv) if settings.network else None
     if egress is not None:
         templates.build_net = build_net.BuildNetwork(egress, mirrors=settings.build_mirrors,

@@ -4,7 +4,8 @@ The guest's stdin/stdout pipes are created here and their host ends handed to a 
 (``space.runtime.shim``) that outlives the node agent; the guest ends go to ``runsc run --detach``,
 which the root helper's ``runtime.*`` verbs run (:mod:`space.node.helper.verbs_runtime`: they write
 the OCI spec from this driver's scalars and keep runsc's global flags fixed). The cgroup freezer and
-CPU weight writes stay here: they are on the claim hot path.
+CPU weight writes stay here, through :mod:`space.runtime.cgroups` (v1 or v2): they are on the claim
+hot path.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from space.errors import InvalidPath, RuntimeFailure
 from space.node.helper import privileged
 from space.node.helper.backend import Privileged
 from space.runtime.base import InstanceHandle, InstanceSpec
+from space.runtime.cgroups import Cgroups, host
 
 log = structlog.get_logger("space.runtime.gvisor")
 
@@ -37,8 +39,10 @@ class GVisorDriver:
     name = "gvisor"
 
     def __init__(self, priv: Privileged, pool_root: Path, *, runsc: str = "runsc",
-                 lease_file: Path | None = None) -> None:
+                 lease_file: Path | None = None, cgroups: Cgroups | None = None) -> None:
         self.priv = priv
+        #: Where the instances' cgroup files are (None: this host's, detected once).
+        self.cgroups = cgroups if cgroups is not None else host()
         self.pool_root = pool_root
         self.runsc = runsc
         #: Where the node agent publishes its lease's end: each shim freezes its instance once it
@@ -126,7 +130,8 @@ class GVisorDriver:
         if self.lease_file is None:
             return []
         return ["--lease-file", str(self.lease_file),
-                "--freeze-file", str(_FREEZER / spec.instance_id / "freezer.state"),
+                "--freeze-file", str(self.cgroups.freeze_file(spec.instance_id)),
+                "--freeze-value", self.cgroups.freeze_value(True),
                 "--fence-mark", str(spec.workdir / FENCE_MARK)]
 
     def take_fence_mark(self, workdir: Path) -> bool:
@@ -163,34 +168,32 @@ class GVisorDriver:
     def set_cpu_shares(self, instance_id: str, shares: int) -> None:
         # One small cgroup write, synchronous on purpose: it is on the create hot path (a claim),
         # and awaiting a thread would cost more than the write.
-        path = Path("/sys/fs/cgroup/cpu/space") / instance_id / "cpu.shares"
         try:
-            path.write_text(str(shares))
+            self.cgroups.set_cpu_weight(instance_id, shares)
         except OSError as exc:
             log.warning("instance.cpu_shares_failed", instance=instance_id, error=str(exc))
 
     def freeze(self, instance_id: str) -> None:
         # The freezer, not `runsc pause`: a paused systrap sandbox still burns ~30 ms of CPU per
         # second polling (docs/notes/density.md); a frozen one burns none.
-        self._freezer(instance_id, "FROZEN")
+        self._freezer(instance_id, frozen=True)
 
     def thaw(self, instance_id: str) -> None:
-        self._freezer(instance_id, "THAWED")
+        self._freezer(instance_id, frozen=False)
 
     def _frozen(self, instance_id: str) -> bool:
-        try:
-            return (_FREEZER / instance_id / "freezer.state").read_text().strip() != "THAWED"
-        except OSError:
-            return False
+        return self.cgroups.is_frozen(instance_id)
 
-    def _freezer(self, instance_id: str, state: str) -> None:
-        path = _FREEZER / instance_id / "freezer.state"
+    def _freezer(self, instance_id: str, *, frozen: bool) -> None:
         try:
-            path.write_text(state)
+            if frozen:
+                self.cgroups.freeze(instance_id)
+            else:
+                self.cgroups.thaw(instance_id)
         except FileNotFoundError:
             pass  # the instance is gone (or never had its cgroup): nothing to freeze or thaw
         except OSError as exc:
-            log.warning("instance.freezer_failed", instance=instance_id, state=state, error=str(exc))
+            log.warning("instance.freezer_failed", instance=instance_id, frozen=frozen, error=str(exc))
 
     async def kill(self, instance_id: str, workdir: Path) -> None:
         """Kill every process of the instance now (fast); :meth:`stop` still has to remove it."""
@@ -208,7 +211,7 @@ class GVisorDriver:
     async def death_cause(self, instance_id: str) -> str | None:
         # The host OOM killer takes the whole sandbox (RUNTIME_NOTES); its memcg counts the kill and
         # outlives the instance until `runsc delete`.
-        return "oom" if oom_killed(instance_id) else None
+        return "oom" if self.cgroups.oom_kills(instance_id) > 0 else None
 
     async def list_instances(self) -> dict[str, str]:
         instances = (await self.priv.call("runtime.list"))["instances"]
@@ -216,28 +219,6 @@ class GVisorDriver:
 
     async def sweep(self, keep: set[str]) -> list[str]:
         return [str(i) for i in (await self.priv.call("runtime.sweep", {"keep": sorted(keep)}))["killed"]]
-
-
-#: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
-_FREEZER = Path("/sys/fs/cgroup/freezer/space")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def oom_killed(instance_id: str, cgroup_root: Path = CGROUP_ROOT) -> bool:
-    """Whether the memory cgroup of the instance counted an OOM kill: ``memory.oom_control`` of
-    cgroup v1's memory hierarchy, or ``memory.events`` of its cgroup v2 (unified) group; both say
-    ``oom_kill N``."""
-    for path in (cgroup_root / "memory" / "space" / instance_id / "memory.oom_control",
-                 cgroup_root / "space" / instance_id / "memory.events"):
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
-                return True
-    return False
 
 
 def _package_root() -> str:

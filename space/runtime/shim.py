@@ -22,7 +22,9 @@ little of it: one runs per sandbox.
 With ``--lease-file``, the shim is also the sandbox's last line of fencing (:class:`LeaseWatch`):
 the node agent publishes when its lease with the control plane ends, and a shim that sees that
 moment pass (plus :data:`GRACE`, the agent's own chance to fence first) freezes its instance
-through the cgroup freezer and leaves a mark for the agent. So a node agent that is stopped, hung
+through the cgroup freezer and leaves a mark for the agent. The agent names the freezer file and
+what to write into it (``--freeze-file``, ``--freeze-value``: v1's ``freezer.state`` and ``FROZEN``,
+v2's ``cgroup.freeze`` and ``1``); the shim knows nothing of cgroup versions. So a node agent that is stopped, hung
 or dead, while its sandboxes live on, cannot leave a copy running that the control plane restores
 elsewhere.
 """
@@ -134,13 +136,22 @@ def read_lease_end(path: str) -> float | None:
     return end if math.isfinite(end) else None
 
 
+#: What the shim may write into a freeze file: cgroup v1's ``freezer.state`` and v2's ``cgroup.freeze``
+#: take these to freeze.
+FREEZE_VALUES = ("FROZEN", "1")
+
+
 class LeaseWatch:
     """Freeze the instance once the node's published lease has run out: once per lease end, so a
     sandbox the agent thaws (it is told the node still owns it) is not frozen again for the same
     lapse, and one being stopped is not refrozen under ``runsc``'s feet."""
 
-    def __init__(self, lease_file: str, freeze_file: str, mark_file: str, *, grace: float = GRACE) -> None:
+    def __init__(self, lease_file: str, freeze_file: str, mark_file: str, *, grace: float = GRACE,
+                 freeze_value: str = "FROZEN") -> None:
+        if freeze_value not in FREEZE_VALUES:
+            raise ValueError(f"not a freezing value: {freeze_value!r}")
         self.lease_file, self.freeze_file, self.mark_file, self.grace = lease_file, freeze_file, mark_file, grace
+        self.freeze_value = freeze_value
         self.froze_for: float | None = None
         self.next_check = 0.0
 
@@ -157,8 +168,7 @@ class LeaseWatch:
         if end is None or end == self.froze_for or boottime() < end + self.grace:
             return False
         try:
-            with open(self.freeze_file, "w") as f:
-                f.write("FROZEN")
+            self._freeze()
         except OSError as exc:  # no cgroup (the instance is gone): nothing runs to freeze
             _log(f"lease over but cannot freeze: {exc}")
             return False
@@ -172,6 +182,15 @@ class LeaseWatch:
             _log(f"froze, but cannot leave the fence mark: {exc}")
         _log(f"the node's lease ended {boottime() - end:.1f}s ago: instance frozen")
         return True
+
+    def _freeze(self) -> None:
+        # An existing file only, never through a symlink: a cgroup file that is not there means no
+        # cgroup (the instance is gone), and creating a plain file in its place would freeze nothing.
+        fd = os.open(self.freeze_file, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(fd, self.freeze_value.encode())
+        finally:
+            os.close(fd)
 
 
 class Shim:
@@ -367,7 +386,9 @@ def _parse(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--from-guest-fd", type=int, required=True)
     p.add_argument("--pidfile")
     p.add_argument("--lease-file", help="where the node agent publishes its lease's end (CLOCK_BOOTTIME)")
-    p.add_argument("--freeze-file", help="the instance's cgroup freezer.state")
+    p.add_argument("--freeze-file", help="the instance's cgroup freezer file (v1 freezer.state, v2 cgroup.freeze)")
+    p.add_argument("--freeze-value", default="FROZEN", choices=FREEZE_VALUES,
+                   help="what freezes it, written into --freeze-file (v1 FROZEN, the default; v2 1)")
     p.add_argument("--fence-mark", help="written when this shim froze the instance")
     args = vars(p.parse_args(argv))
     given = [args[k] is not None for k in ("lease_file", "freeze_file", "fence_mark")]
@@ -386,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _terminate)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     pidfile: str | None = args["pidfile"]
-    watch = (LeaseWatch(args["lease_file"], args["freeze_file"], args["fence_mark"])
+    watch = (LeaseWatch(args["lease_file"], args["freeze_file"], args["fence_mark"],
+                        freeze_value=args["freeze_value"])
              if args["lease_file"] is not None else None)
     shim = Shim(args["socket"], args["to_guest_fd"], args["from_guest_fd"], watch)
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from space.runtime.base import InstanceSpec
-from space.runtime.gvisor import oom_killed
+from space.runtime.cgroups import CgroupsV1, CgroupsV2
 from space.runtime.oci import HOST_PIDS, build_spec, guest_processes
 
 
@@ -43,18 +43,18 @@ def test_an_oom_kill_is_read_on_cgroup_v1_and_v2(tmp_path: Path) -> None:
     (v1 / "memory" / "space" / "s1-abcde").mkdir(parents=True)
     control = v1 / "memory" / "space" / "s1-abcde" / "memory.oom_control"
     control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
-    assert not oom_killed("s1-abcde", v1)
+    assert CgroupsV1(v1).oom_kills("s1-abcde") == 0
     control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
-    assert oom_killed("s1-abcde", v1)
+    assert CgroupsV1(v1).oom_kills("s1-abcde") == 1
 
     v2 = tmp_path / "v2"
     (v2 / "space" / "s1-abcde").mkdir(parents=True)
     events = v2 / "space" / "s1-abcde" / "memory.events"
     events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\noom_group_kill 0\n")
-    assert not oom_killed("s1-abcde", v2)
+    assert CgroupsV2(v2).oom_kills("s1-abcde") == 0
     events.write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n")
-    assert oom_killed("s1-abcde", v2)
-    assert not oom_killed("gone-00000", v2)
+    assert CgroupsV2(v2).oom_kills("s1-abcde") == 2
+    assert CgroupsV2(v2).oom_kills("gone-00000") == 0
 
 
 def test_a_verb_that_meets_a_full_pool_says_insufficient_storage() -> None:

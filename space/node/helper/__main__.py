@@ -27,6 +27,7 @@ from space.errors import InvalidRequest
 from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
 from space.node.helper.verbs import GatewayConfig, HelperContext
+from space.runtime import cgroups
 
 PR_SET_PDEATHSIG = 1
 
@@ -111,7 +112,9 @@ async def _main(args: argparse.Namespace) -> None:
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
                         agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
-                        sandbox_network=args.sandbox_network)
+                        sandbox_network=args.sandbox_network,
+                        # once, at the start: a host whose cgroups cannot hold sandboxes stops here
+                        cgroups=cgroups.host())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

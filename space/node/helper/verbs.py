@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK
 from space.errors import InvalidRequest
+from space.runtime.cgroups import Cgroups
 
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -75,6 +76,9 @@ class HelperContext:
     #: The unprivileged node agent's uid (None: the agent is root): it gets the instance cgroup
     #: files it writes itself.
     agent_uid: int | None = None
+    #: Where the instances' cgroups are (None: this host's, :func:`space.runtime.cgroups.host`,
+    #: which the helper detects at its start).
+    cgroups: Cgroups | None = None
     gateway: GatewayConfig | None = None
     #: The Debian mirrors template builds may debootstrap from (empty: the default one only).
     mirrors: tuple[str, ...] = ()

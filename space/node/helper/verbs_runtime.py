@@ -29,6 +29,7 @@ from space.node.helper import placement, privileged
 from space.node.helper.verbs import Call, HelperContext, check, is_id, verb
 from space.node.helper.verbs_net import MAX_INDEX, NodeNet
 from space.runtime.base import InstanceSpec
+from space.runtime.cgroups import Cgroups, host
 from space.runtime.oci import build_spec
 
 log = structlog.get_logger(__name__)
@@ -48,8 +49,6 @@ LAUNCHER = (
     ' && mount --bind "/proc/self/fd/$root" "$bundle/rootfs" && exec {root}<&- "$@"',
     "runsc-launch",
 )
-#: The freezer cgroups of our instances (cgroupsPath ``/space/<instance>`` in the OCI spec).
-FREEZER = Path("/sys/fs/cgroup/freezer/space")
 _SUBVOLUME_INO = 256
 
 
@@ -65,6 +64,8 @@ class Runsc:
         self.root = ctx.data_dir / "runsc"
         self.bundles = ctx.data_dir / "bundles"
         self.argv0 = ctx.runsc
+        #: The instances' cgroups (cgroupsPath ``/space/<instance>`` in the OCI spec), v1 or v2.
+        self.cgroups = ctx.cgroups if ctx.cgroups is not None else host()
         self.flags = [f"--root={self.root}", f"--platform={ctx.platform}",
                       # keeps guest writes in the btrfs root, so snapshots see them
                       "--overlay2=none",
@@ -96,8 +97,6 @@ class Runsc:
 
 #: The names runsc gives the processes it leaves running: a sandbox's sentry and its gofer.
 _RUNSC_PROCESSES = ("runsc-sandbox", "runsc-gofer")
-#: The controllers runsc makes an instance's cgroup in (``/space/<instance>``).
-_CGROUPS = Path("/sys/fs/cgroup")
 
 
 def runsc_processes(r: Runsc) -> dict[int, str]:
@@ -140,41 +139,41 @@ async def kill_strays(r: Runsc, *, only: Collection[str] | None = None, keep: Co
     instance in ``only``); the instances whose processes it killed."""
     victims = {pid: inst for pid, inst in runsc_processes(r).items()
                if (only is None or inst in only) and inst not in keep}
-    kill_thawed(victims)
+    kill_thawed(r.cgroups, victims)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10.0
     while (left := [p for p in victims if _alive(p)]) and loop.time() < deadline:
         await asyncio.sleep(0.02)
     instances = sorted(set(victims.values()))
     # A cgroup goes only once its last task has been reaped, which its new parent does when it will.
-    while _remove_cgroups(instances) and loop.time() < deadline:
+    while _remove_cgroups(r.cgroups, instances) and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if only is not None:
         # runsc makes the cgroups before it starts the sentry: a start killed in between leaves
         # them empty, and no runsc command removes them.
-        _remove_cgroups(sorted(set(only) - set(instances)))
+        _remove_cgroups(r.cgroups, sorted(set(only) - set(instances)))
     if victims:
         log.warning("runtime.strays_killed", instances=instances, pids=sorted(victims), left=left)
     return instances
 
 
-def kill_thawed(victims: Mapping[int, str]) -> None:
-    """SIGKILL each pid, then thaw its instance's freezer cgroup: a task frozen there (a sandbox its
-    shim fenced when the node's lease ran out) dies of its SIGKILL only once thawed, and would
-    otherwise outlive a node's teardown. Killed first, so that thawed it runs nothing of its own."""
+def kill_thawed(cgroups: Cgroups, victims: Mapping[int, str]) -> None:
+    """SIGKILL each pid, then thaw its instance's cgroup: a task frozen by the v1 freezer (a sandbox
+    its shim fenced when the node's lease ran out) dies of its SIGKILL only once thawed, and would
+    otherwise outlive a node's teardown (v2 lets a fatal signal through a freeze; thawing there
+    costs one write). Killed first, so that thawed it runs nothing of its own."""
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
     for inst in sorted(set(victims.values())):
-        _thaw(inst)
+        _thaw(cgroups, inst)
 
 
-def _remove_cgroups(instances: list[str]) -> list[Path]:
+def _remove_cgroups(cgroups: Cgroups, instances: list[str]) -> list[Path]:
     """Remove the instances' cgroups; those still busy."""
     busy = []
-    for controller in _CGROUPS.iterdir() if instances and _CGROUPS.is_dir() else []:
-        for inst in instances:
-            group = controller / "space" / inst
+    for inst in instances:
+        for group in cgroups.instance_groups(inst):
             try:
                 group.rmdir()
             except FileNotFoundError:
@@ -184,23 +183,9 @@ def _remove_cgroups(instances: list[str]) -> list[Path]:
     return busy
 
 
-def frozen(instance: str) -> bool:
-    try:
-        return (FREEZER / instance / "freezer.state").read_text().strip() != "THAWED"
-    except OSError:
-        return False
-
-
-def _has_processes(instance: str) -> bool:
-    try:
-        return bool((FREEZER / instance / "cgroup.procs").read_text().strip())
-    except OSError:
-        return False
-
-
-def _thaw(instance: str) -> None:
+def _thaw(cgroups: Cgroups, instance: str) -> None:
     with contextlib.suppress(OSError):
-        (FREEZER / instance / "freezer.state").write_text("THAWED")
+        cgroups.thaw(instance)
 
 
 def open_dir(base: Path | int, *parts: str, subvolume: bool = False, flags: int = os.O_PATH) -> int:
@@ -346,23 +331,21 @@ async def _launch(ctx: HelperContext, r: Runsc, a: LaunchArgs, call: Call, rootf
         # A failed restore can leave a half-made container behind: never leave it.
         await _delete(r, a.instance)
         raise RuntimeFailure(f"runsc {a.kind} failed (exit {rc})", instance=a.instance, returncode=rc)
-    _delegate_cgroup(ctx, a.instance)
+    _delegate_cgroup(ctx, r.cgroups, a.instance)
     pid = (bundle / "sandbox.pid").read_text().strip()
     return {"instance": a.instance, "sandbox_pid": int(pid) if pid.isdigit() else None}
 
 
-#: The instance's cgroup files the agent writes itself: freezing, thawing and re-weighting are on
-#: the claim hot path, where a helper round trip would cost more than the write.
-DELEGATED = (("freezer", "freezer.state"), ("cpu", "cpu.shares"))
-
-
-def _delegate_cgroup(ctx: HelperContext, instance: str) -> None:
+def _delegate_cgroup(ctx: HelperContext, cgroups: Cgroups, instance: str) -> None:
+    """The instance's cgroup files the agent writes itself (freezer and CPU weight: v1's
+    ``freezer.state`` and ``cpu.shares``, v2's ``cgroup.freeze`` and ``cpu.weight``) to its uid:
+    freezing, thawing and re-weighting are on the claim hot path, where a helper round trip would
+    cost more than the write. The files alone: never a directory, so the agent can make no group."""
     if ctx.agent_uid is None or ctx.agent_uid == 0:
         return
-    for controller, name in DELEGATED:
+    for path in cgroups.delegated_files(instance):
         try:
-            fd = os.open(Path("/sys/fs/cgroup") / controller / "space" / instance / name,
-                         os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             continue  # no such controller here: the agent's write then fails and is logged
         try:
@@ -479,7 +462,7 @@ async def runtime_kill(ctx: HelperContext, a: InstanceArgs, call: Call) -> dict[
     """Kill every process of the instance now; idempotent."""
     r = Runsc(ctx)
     if r.exists(a.instance):
-        _thaw(a.instance)  # a frozen sentry cannot take the kill
+        _thaw(r.cgroups, a.instance)  # a frozen sentry cannot take the kill
         await privileged.run(*r.cmd("kill", "--all", a.instance, "KILL"), check=False, timeout=30)
     return {}
 
@@ -492,7 +475,7 @@ async def runtime_delete(ctx: HelperContext, a: InstanceArgs, call: Call) -> dic
         killed = await kill_strays(r, only={a.instance})
         shutil.rmtree(r.bundles / a.instance, ignore_errors=True)
         return {"deleted": bool(killed)}
-    _thaw(a.instance)
+    _thaw(r.cgroups, a.instance)
     await privileged.run(*r.cmd("kill", "--all", a.instance, "KILL"), check=False, timeout=30)
     if await _delete(r, a.instance) != 0 and await _state(r, a.instance) is not None:
         raise RuntimeFailure(f"runsc delete of {a.instance} failed", instance=a.instance)
@@ -502,10 +485,10 @@ async def runtime_delete(ctx: HelperContext, a: InstanceArgs, call: Call) -> dic
 async def _state(r: Runsc, instance: str) -> str | None:
     if not r.exists(instance):
         return None
-    if frozen(instance):
+    if r.cgroups.is_frozen(instance):
         # `runsc state` asks the sandbox, and a frozen one cannot answer: its cgroup says whether
         # it lives, and runsc's own record whether it was paused (or is a warm one).
-        return r.recorded_status(instance) if _has_processes(instance) else None
+        return r.recorded_status(instance) if r.cgroups.has_processes(instance) else None
     res = await privileged.run(*r.cmd("state", instance), check=False, timeout=30)
     if res.returncode != 0:
         return None
@@ -543,7 +526,7 @@ async def runtime_sweep(ctx: HelperContext, a: SweepArgs, call: Call) -> dict[st
 async def runtime_list(ctx: HelperContext, _: NoArgs, call: Call) -> dict[str, Any]:
     r = Runsc(ctx)
     known = r.known()
-    if any(frozen(i) for i in known):
+    if any(r.cgroups.is_frozen(i) for i in known):
         # `runsc list` would wait on the frozen ones forever: ask one by one instead.
         out = {}
         for i in sorted(known):
