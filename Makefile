@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: setup system python gateway deploy-tools access images run test lint typecheck check bench chaos chaos-short clean-dev
+.PHONY: setup system python gateway deploy-tools access images test-containers run test lint typecheck check bench chaos chaos-short clean-dev
 
 setup: system python gateway deploy-tools access  ## install system packages and the Python environments (idempotent)
 
@@ -49,6 +49,10 @@ access: python gateway  ## the service users (`space`: the API; `space-node`: th
 
 images:  ## the space and space-node images (as root: buildah from a debootstrap'd Debian root) in build/images/
 	bash deploy/images/build.sh
+
+test-containers: setup images  ## the images as podman containers: API, controller and node agent; create, exec, files, pause, suspend, node container restarts (tests/deploy/test_containers.py)
+	@command -v podman >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman runc >/dev/null
+	SPACE_TEST_CONTAINERS=1 $(VENV)/bin/pytest -m containers tests/deploy/test_containers.py $(PYTEST_ARGS)
 
 run: setup  ## start SPACE on its embedded defaults (builds the `base` template on first start)
 	$(VENV)/bin/space serve --data-dir $(DATA_DIR) --listen $(LISTEN)

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from space.node.storage.mountinfo import mounts
 #: The shims' cgroup, relative to each hierarchy's root. In cgroup v2 it is a leaf beside the
 #: instances' groups (``/space`` itself holds no process: it delegates controllers to them).
 SHIMS = Path("space") / "shims"
+#: How long a shim may take to show its command line (seconds; it is on a sandbox's start path).
+_EXEC_WAIT = 0.5
 #: What a shim's command line carries (``python -m space.runtime.shim``).
 _SHIM_MODULE = b"space.runtime.shim"
 
@@ -65,9 +68,16 @@ def hierarchies() -> list[Hierarchy]:
 def check_shim(pid: int, *, parent: int, uid: int) -> None:
     """Conflict unless ``pid`` is a shim, child of ``parent``, running as ``uid``."""
     proc = Path(f"/proc/{pid}")
+    deadline = time.monotonic() + _EXEC_WAIT
     try:
-        status = (proc / "status").read_text()
-        cmdline = (proc / "cmdline").read_bytes()
+        while True:
+            status = (proc / "status").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+            # Empty while the child is still between its fork and its exec: its parent's Popen
+            # returns as the exec commits, a moment before the new command line is in place.
+            if cmdline or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
     except OSError:
         raise Conflict(f"process {pid} is gone", pid=pid) from None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
