@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+import signal
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,11 +192,41 @@ async def run_controller(settings: ControlPlaneSettings) -> None:
     async with open_control_plane(settings, "controller", env) as cp:
         beat = asyncio.create_task(_touch_health(settings.health_file)) if settings.health_file else None
         try:
-            await cp.controller.sync_templates()
-            await cp.controller.run()
+            await _until_stopped(_controller_work(cp))
         finally:
             if beat is not None:
                 beat.cancel()
+
+
+async def _controller_work(cp: ControlPlane) -> None:
+    await cp.controller.sync_templates()
+    await cp.controller.run()
+
+
+async def _until_stopped(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` until it ends or SIGTERM/SIGINT asks this process to stop; then cancel it and
+    let it unwind (its operations' leases are released, not left to lapse). Handled here, not by
+    the signals' default action: as a container's first process (PID 1) this process gets no
+    default action at all, and would ignore a SIGTERM until the runtime's SIGKILL."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            log.info("controller.stopping", reason="signal")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        else:
+            task.result()
+    finally:
+        stopping.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 #: Seconds between touches of the controller's health file.

@@ -7,7 +7,8 @@ moto's S3 server on loopback.
 - through them: create, exec, files, pause/resume, suspend/restore through object storage;
 - the node container restarted (a rollout: SIGTERM, then runc removes what is left in its
   cgroups) and killed (a crash): every sandbox still runs -- the same shim, the same sentry -- and
-  its command's output streams on, counted without a gap from its first line.
+  its command's output streams on, counted without a gap from its first line;
+- each container stops by itself at SIGTERM, as its first process (PID 1), with exit status 0.
 
 Needs images built from this checkout (their ``org.opencontainers.image.revision`` label names a
 commit with the same image inputs as HEAD): ``make test-containers`` builds them first and runs
@@ -229,6 +230,12 @@ def deployment(postgres_url: str) -> Iterator[Containers]:
 
 def _teardown(c: Containers) -> None:
     errors = []
+    for name in c.started:  # the last scenario stops them
+        subprocess.run([*PODMAN, "start", name], capture_output=True, timeout=120)
+    try:
+        c.wait_node_ready()
+    except AssertionError as e:
+        errors.append(str(e))
     try:
         with c.client() as api:
             for sb in api.get("/v1/sandboxes").json().get("sandboxes", []):
@@ -394,3 +401,17 @@ def test_a_restarted_or_killed_node_container_leaves_every_sandbox_running_and_s
         finally:
             for sid in sids:
                 api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_every_container_stops_by_itself_at_sigterm(deployment: Containers) -> None:
+    """Kubernetes stops a pod with SIGTERM and, after its grace period, SIGKILL. Each process is
+    its container's first (PID 1), which gets no default action for SIGTERM: each stops because
+    it handles it, in order, with exit status 0 -- not 137, a SIGKILL at the grace's end. (Last:
+    it stops the deployment.)"""
+    c = deployment
+    for role in ("node", "controller", "api"):
+        done = subprocess.run([*PODMAN, "stop", "-t", "60", c.name(role)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        status = subprocess.run([*PODMAN, "inspect", "--format", "{{.State.ExitCode}}", c.name(role)],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        assert status == "0", (role, status, c.logs(role))
