@@ -502,7 +502,9 @@ async def test_the_helper_process_serves_and_stops_on_sigterm(tmp_path: Path) ->
 
 async def test_the_helper_process_stops_when_its_stop_pipe_closes(tmp_path: Path) -> None:
     """The unprivileged agent cannot signal its root helper: closing its end of the stop pipe is
-    how it stops it (and what happens when the agent dies)."""
+    how it stops it (and what happens when the agent dies). A SIGTERM before that -- sent to the
+    agent's whole group by Ctrl-C, or by a container runtime stopping a container in the host's PID
+    namespace -- is not its stop: the agent still needs it to stop in order."""
     path = tmp_path / "helper.sock"
     (tmp_path / "data").mkdir()
     stop_r, stop_w = os.pipe()
@@ -519,12 +521,18 @@ async def test_the_helper_process_stops_when_its_stop_pipe_closes(tmp_path: Path
             assert proc.returncode is None, "the helper exited"
             return path.exists()
         await await_for(listening, DEADLINE, "the helper's socket")
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        # Still serving after both signals were handled: a call answers.
+        assert await HelperClient(path).call("helper.ping") is not None
+        assert proc.returncode is None
         os.close(stop_w)
         stop_w = -1
         async with asyncio.timeout(DEADLINE):
             _, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
         assert b"helper.stopped" in err and not path.exists()
+        assert err.count(b"helper.signal_ignored") == 2, err.decode()
     finally:
         if stop_w >= 0:
             os.close(stop_w)

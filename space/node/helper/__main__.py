@@ -1,9 +1,10 @@
 """``python -m space.node.helper``: the node's root helper process.
 
 It serves the allowlisted verbs on a unix socket that only the node agent's uid (and root, with
-``--allow-root``) may use, until SIGTERM or SIGINT, its ``--stop-fd`` reaching EOF (the agent closed
-its end, or died) or its ``--parent-pid`` exiting: then it stops accepting, cancels the verbs in
-flight (killing their children), waits for what they do on cancellation and exits 0. Standard
+``--allow-root``) may use, until its ``--stop-fd`` reaches EOF (the agent closed its end, or died)
+or its ``--parent-pid`` exits -- or, started with neither, SIGTERM or SIGINT: then it stops
+accepting, cancels the verbs in flight (killing their children), waits for what they do on
+cancellation and exits 0. Standard
 library and structlog only, like :mod:`space.nodesup`: it must start fast and parse nothing but its
 requests.
 """
@@ -18,6 +19,7 @@ import ipaddress
 import json
 import os
 import signal
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -107,6 +109,10 @@ def _die_with_parent(parent: int) -> None:
         raise SystemExit(0)
 
 
+def _ignored(sig: signal.Signals) -> None:
+    log.info("helper.signal_ignored", signal=sig.name, reason="the agent stops its helper")
+
+
 async def _main(args: argparse.Namespace) -> None:
     verbs.load_all()
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
@@ -117,8 +123,13 @@ async def _main(args: argparse.Namespace) -> None:
                         cgroups=cgroups.host())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    supervised = args.stop_fd is not None or args.parent_pid is not None
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        # An agent's helper stops when its agent says so (the stop fd) or dies, never before: a
+        # signal sent to every process of the agent's group (Ctrl-C in a terminal; a container
+        # runtime stopping a container that shares the host's PID namespace) would otherwise take
+        # the helper away while the agent still stops in order through it.
+        loop.add_signal_handler(sig, partial(_ignored, sig) if supervised else stop.set)
 
     def stop_when_readable(fd: int) -> None:
         def fire() -> None:
