@@ -148,6 +148,14 @@ class Containers:
                              capture_output=True, text=True, check=True)
         return int(out.stdout.strip())
 
+    def wait_api_ready(self, timeout: float = 120) -> None:
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{self.api_url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(ready, timeout, f"the API container to be ready:\n{self.logs('api')}", interval=0.2)
+
     def wait_node_ready(self, timeout: float = 180) -> None:
         def ready() -> bool:
             with self.client() as api:
@@ -199,13 +207,7 @@ def deployment(postgres_url: str) -> Iterator[Containers]:
                       "--keys-dir", "/etc/space/keys"]
             c.run_control("api", "api", *common, "--listen", f"127.0.0.1:{c.api_port}")
             c.run_control("controller", "controller", *common)
-
-            def api_ready() -> bool:
-                try:
-                    return httpx.get(f"{c.api_url}/readyz", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            wait_for(api_ready, 120, f"the API container to be ready:\n{c.logs('api')}", interval=0.2)
+            c.wait_api_ready()
             with c.client() as api:
                 r = api.post("/v1/nodes/tokens", json={"ttl_seconds": 600, "max_uses": 1, "description": NODE_ID})
                 assert r.status_code == 201, r.text
@@ -232,17 +234,16 @@ def _teardown(c: Containers) -> None:
     errors = []
     for name in c.started:  # the last scenario stops them
         subprocess.run([*PODMAN, "start", name], capture_output=True, timeout=120)
-    if c.name("node") in c.started:
-        try:
-            c.wait_node_ready()
-        except AssertionError as e:
-            errors.append(str(e))
+    # Whatever fails here, the containers, the pool and the mounts still go (below).
     try:
+        if c.name("node") in c.started:
+            c.wait_api_ready()
+            c.wait_node_ready()
         with c.client() as api:
             for sb in api.get("/v1/sandboxes").json().get("sandboxes", []):
                 api.delete(f"/v1/sandboxes/{sb['id']}")
-    except (httpx.HTTPError, ValueError) as e:
-        errors.append(f"deleting the sandboxes: {e}")
+    except Exception as e:  # reported below, after the cleanup
+        errors.append(f"deleting the sandboxes: {e!r}")
     for name in reversed(c.started):
         subprocess.run([*PODMAN, "rm", "-f", "-t", "30", name], capture_output=True, timeout=120)
     data = c.node_dir / "data"
