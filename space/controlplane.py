@@ -118,7 +118,8 @@ async def open_control_plane(settings: ControlPlaneSettings, role: Literal["api"
         await wakeups.start()
         objects = ObjectStore.from_url(settings.object_store_url, env=env)
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
-                                objects=objects, wakeups=wakeups, backup_every=settings.backup_every)
+                                objects=objects, wakeups=wakeups, backup_every=settings.backup_every,
+                                operator_tenant=settings.operator_tenant)
         controller.lifecycle.credentials = credentials
         yield ControlPlane(store, wakeups, nodes, controller, keys, credentials)
     finally:

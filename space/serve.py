@@ -302,7 +302,7 @@ async def serve(settings: ServeSettings) -> None:
         wakeups = store.wakeups()  # on PostgreSQL, other control-plane processes may share it
         await wakeups.start()
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
-                                objects=objects, wakeups=wakeups)
+                                objects=objects, wakeups=wakeups, operator_tenant=settings.operator_tenant)
         await controller.sync_templates()
         credentials = build_manager(store, data, env=env)
         controller.lifecycle.credentials = credentials

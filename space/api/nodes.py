@@ -19,15 +19,14 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from space import ids
 from space.api import views
 from space.api.auth import Principal, join_token, principal
 from space.api.fields import Int64
 from space.api.state import AppState, app_state
 from space.cluster.pki import MAX_CSR_BYTES, PKIError, public_key_sha256
-from space.controller.moves import DRAIN_PARALLEL, MAX_DRAIN_PARALLEL, drain_target
-from space.errors import Conflict, InvalidRequest, NotFound, Unavailable
-from space.store.models import JoinToken, Node, Operation
+from space.controller.moves import DRAIN_PARALLEL, MAX_DRAIN_PARALLEL, start_drain
+from space.errors import InvalidRequest, NotFound, Unavailable
+from space.store.models import JoinToken, Node
 
 router = APIRouter(prefix="/v1/nodes")
 
@@ -205,23 +204,8 @@ async def drain(node_id: str, who: Auth, st: St, body: DrainBody | None = None) 
     drain already under way is answered, not doubled."""
     who.require_operator()
     body = body or DrainBody()
-    row = await st.store.get_node(node_id)
-    target = drain_target(node_id)
-    running = await st.store.find_operations(target=target, kind="node.drain", status=["pending", "running"])
-    if running:
-        return JSONResponse({"node": node_view(row), "operation": views.operation(running[0])}, status_code=202)
-    if row.state != "ready":
-        # Its sandboxes cannot be checkpointed where they are: a lost node's are restored elsewhere
-        # from what was shipped of them, not drained.
-        raise Conflict(f"node {node_id} is {row.state}: only a ready node can be drained", node=node_id,
-                       state=row.state)
-    if not [n for n in await st.store.list_nodes("ready") if n.id != node_id and not n.cordoned]:
-        raise Conflict(f"node {node_id} cannot be drained: no other ready, uncordoned node to move its "
-                       "sandboxes to", node=node_id)
-    row = await st.store.set_node_cordoned(node_id, True)
-    st.nodes.invalidate_rows()
-    op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="node.drain", target=target, status="pending",
-                   request={"node": node_id, "parallel": body.parallel})
-    op, _ = await st.store.create_operation(op)
-    st.controller.wake()
+    row, op, created = await start_drain(st.store, node_id, tenant=who.tenant, parallel=body.parallel)
+    if created:
+        st.nodes.invalidate_rows()
+        st.controller.wake()
     return JSONResponse({"node": node_view(row), "operation": views.operation(op)}, status_code=202)

@@ -321,6 +321,58 @@ def node_teardown(data_dir: DataDir, cache_dir: CacheDir = Path("/var/cache/spac
     typer.echo(f"removed {n} sandbox(es); pool released")
 
 
+@node_app.command("leave")
+def node_leave(
+    data_dir: DataDir,
+    when: Annotated[str, typer.Option(
+        "--when", help="kubernetes: only if this machine's Kubernetes Node is cordoned or tainted for removal "
+                       "(a rollout is not a leaving: the next agent adopts the sandboxes); always: now.")]
+    = "kubernetes",
+    node_name: Annotated[str | None, typer.Option(
+        "--node-name", envvar="NODE_NAME", help="The Kubernetes Node (--when kubernetes).")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.0, help="Seconds to wait for the node's sandboxes to move away.")] = 840.0,
+    cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw a leaving this node announced.")] = False,
+) -> None:
+    """The node is going away for good: the control plane drains it (every sandbox moves to another
+    node with its processes) while this waits until none is left, or its timeout. A node pod's
+    preStop hook (as root, in the node's container); exits 0 whatever happens, saying what did."""
+    from space.errors import SpaceError
+    from space.node import kubernetes, leaving
+
+    if cancel:
+        typer.echo("leaving withdrawn" if leaving.clear(data_dir) else "this node was not leaving")
+        return
+    if when == "always":
+        reason = "the operator retires the machine (space node leave --when always)"
+    elif when == "kubernetes":
+        if not node_name:
+            typer.echo("space node leave: --node-name (or NODE_NAME) names the Kubernetes Node", err=True)
+            raise typer.Exit(2)
+        try:
+            found = kubernetes.leaving_reason(kubernetes.read_node(node_name))
+        except SpaceError as e:
+            # Not knowing is not leaving: the sandboxes stay, and should the machine be gone the
+            # control plane restores them from their backups elsewhere.
+            typer.echo(f"space node leave: staying: {e.message}", err=True)
+            return
+        if found is None:
+            typer.echo(f"node {node_name} is not leaving (a restart or a rollout): its sandboxes stay", err=True)
+            return
+        reason = found
+    else:
+        raise typer.BadParameter("--when is kubernetes or always")
+    since = leaving.mark(data_dir, reason)
+    typer.echo(f"leaving: {reason}; waiting up to {timeout:g}s for the sandboxes to move", err=True)
+    left = leaving.wait_until_empty(data_dir, since, timeout, lambda line: typer.echo(line, err=True))
+    if left == 0:
+        typer.echo("every sandbox moved away", err=True)
+    else:
+        typer.echo(f"gave up after {timeout:g}s with {'an unknown number of' if left is None else left} "
+                   "sandbox(es) still here" + (" (the node agent did not answer)" if left is None else ""),
+                   err=True)
+
+
 objects_app = typer.Typer(help="Object storage maintenance (run by the operator, as root).", no_args_is_help=True)
 
 

@@ -23,7 +23,7 @@ from space.controller import placement
 from space.controller.backups import BackupSync
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
-from space.controller.moves import Moves
+from space.controller.moves import Moves, start_drain
 from space.controller.node_loss import NodeLoss, node_lease
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
@@ -98,8 +98,13 @@ class Controller:
         leader_lease_seconds: float = 3.0,
         wakeups: LocalWakeups | None = None,
         backup_every: float | None = None,
+        operator_tenant: str = "default",
     ) -> None:
         self.store = store
+        #: The tenant of the operations the control plane starts on its own (a leaving node's drain).
+        self.operator_tenant = operator_tenant
+        #: Per node, the leaving it last acted on (its ``since``).
+        self._leaving_seen: dict[str, Any] = {}
         self.nodes = nodes
         self.owner = "ctl-" + ids.token(6)
         self.lease_seconds = lease_seconds
@@ -571,6 +576,8 @@ class Controller:
 
     async def _follow_up_once(self, row: Node, node: NodeClient, info: dict[str, Any]) -> None:
         await self.node_loss.release_or_discard(row, node, info)
+        if info.get("leaving") and not row.cordoned:
+            await self._drain_leaving(row, info["leaving"])
         try:
             await self.backups.sync(row.id, node, info)
         except SpaceError as exc:  # the next heartbeat tries again
@@ -579,6 +586,26 @@ class Controller:
             await self._sync_egress(row.id, node, info)
         except SpaceError as exc:  # the next heartbeat tries again
             log.warning("egress.sync_failed", node=row.id, error=str(exc))
+
+    async def _drain_leaving(self, row: Node, leaving: Any) -> None:
+        """A node going away for good (``space node leave``: its pod's preStop hook, or an operator
+        retiring its machine) is drained while its leaving waits. Once: the drain cordons it, and
+        an operator's uncordon is not undone while the same leaving stands."""
+        reason = str(leaving.get("reason") if isinstance(leaving, dict) else "")[:200] or "unknown"
+        since = leaving.get("since") if isinstance(leaving, dict) else None
+        if self._leaving_seen.get(row.id) == since:
+            return
+        self._leaving_seen[row.id] = since
+        try:
+            _, op, created = await start_drain(self.store, row.id, tenant=self.operator_tenant,
+                                               reason=f"the node is leaving: {reason}")
+        except SpaceError as exc:  # nowhere to go, or not ready: its sandboxes stay (node loss covers them)
+            log.warning("node.leaving_not_drained", node=row.id, reason=reason, error=exc.message)
+            return
+        if created:
+            log.info("node.leaving", node=row.id, reason=reason, operation=op.id)
+            self.nodes.invalidate_rows()
+            self.wake()
 
     async def _sync_egress(self, node_id: str, node: NodeClient, info: dict[str, Any]) -> None:
         """Give the node's gateway back the secrets its agent lost in a restart, and move the

@@ -41,7 +41,7 @@ from space.controller.nodes import NodeRegistry
 from space.errors import Conflict, InvalidState, NotFound, SpaceError, Unavailable
 from space.lifecycle import State
 from space.node.api.client import NodeClient
-from space.store import Operation, Sandbox, Store, new_snapshot
+from space.store import Node, Operation, Sandbox, Store, new_snapshot
 
 log = structlog.get_logger("space.controller.moves")
 
@@ -61,6 +61,33 @@ MOVE_ORIGIN = "move"
 def drain_target(node_id: str) -> str:
     """A drain's operation target: node ids and sandbox ids must not share one order."""
     return f"node/{node_id}"
+
+
+async def start_drain(store: Store, node_id: str, *, tenant: str, parallel: int = DRAIN_PARALLEL,
+                      reason: str | None = None) -> tuple[Node, Operation, bool]:
+    """Cordon ``node_id`` and queue its drain (``node.drain``): the node, the operation, and whether
+    it is new (a drain already under way is returned, not doubled). Conflict if the node is not
+    ready (a lost node's sandboxes are restored from what was shipped of them, not drained) or no
+    other ready, uncordoned node can take its sandboxes. The caller wakes the controllers."""
+    row = await store.get_node(node_id)
+    target = drain_target(node_id)
+    running = await store.find_operations(target=target, kind="node.drain", status=["pending", "running"])
+    if running:
+        return row, running[0], False
+    if row.state != "ready":
+        raise Conflict(f"node {node_id} is {row.state}: only a ready node can be drained", node=node_id,
+                       state=row.state)
+    if not [n for n in await store.list_nodes("ready") if n.id != node_id and not n.cordoned]:
+        raise Conflict(f"node {node_id} cannot be drained: no other ready, uncordoned node to move its "
+                       "sandboxes to", node=node_id)
+    row = await store.set_node_cordoned(node_id, True)
+    request: dict[str, Any] = {"node": node_id, "parallel": parallel}
+    if reason is not None:
+        request["reason"] = reason
+    op = Operation(id=ids.operation_id(), tenant=tenant, kind="node.drain", target=target, status="pending",
+                   request=request)
+    op, _ = await store.create_operation(op)
+    return row, op, True
 
 
 class Moves:

@@ -17,7 +17,7 @@ import structlog
 import uvicorn
 
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
-from space.node import membership
+from space.node import leaving, membership
 from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.launch import HelperProcess
@@ -297,6 +297,9 @@ async def serve_node(settings: NodeSettings) -> None:
         # drop (give_node_state hands it the node state tree).
         files = await membership.join(settings.join, settings.node_id,
                                       NodeTLSFiles.under(node_state_dir(settings.data_dir)))
+    if leaving.clear(settings.data_dir):
+        # A node whose agent starts again is here again: its last pod's leaving is over.
+        log.info("node.leaving_withdrawn", reason="the agent started again")
     node = await build_node(settings)
     templates, manager, warm = node.templates, node.manager, node.warm
     fence = Fence(manager, lease=settings.fence_after, state_file=node_state_dir(settings.data_dir) / "lease.json",
@@ -310,6 +313,7 @@ async def serve_node(settings: NodeSettings) -> None:
         sse_keepalive=settings.sse_keepalive,
         warm=warm,
         fence=fence,
+        leaving=leaving.Heartbeats(settings.data_dir),
     )
     if settings.socket is not None:
         # uvicorn makes the socket world-writable: the 0700 (0710 with a group) directory guards it

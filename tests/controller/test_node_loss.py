@@ -383,3 +383,43 @@ def test_heartbeats_come_five_times_per_shortest_lease_and_no_slower_than_reconc
     assert heartbeat_period([row(30)], 5.0) == 5.0  # the default lease: the reconcile period
     assert heartbeat_period([row(1)], 5.0) == 0.5  # never busier than twice a second
     assert heartbeat_period([row(None)], 5.0) == 5.0 and heartbeat_period([], 5.0) == 5.0
+
+
+async def test_a_leaving_node_is_drained_once_per_leaving_and_only_where_its_sandboxes_can_go(
+        store: Store, nodes: tuple[FakeNode, FakeNode, list[Any]]) -> None:
+    """``space node leave`` makes the node report ``leaving`` in its heartbeat's answer: the leader
+    cordons it and queues its drain, once. An operator's uncordon is not undone while the same
+    leaving stands; a new leaving drains again. With no other node to take its sandboxes, nothing
+    is queued and the heartbeat goes on."""
+    a, b, _ = nodes
+    ctl, registry = await _controller(store)
+    try:
+        await ctl.check_nodes()
+        await _running_on(store, "node-a")
+        a.info["leaving"] = {"reason": "the cluster autoscaler is removing the node", "since": 100.0}
+
+        await ctl.check_nodes()
+
+        assert (await store.get_node("node-a")).cordoned
+        drains = await store.find_operations(target="node/node-a", kind="node.drain")
+        assert len(drains) == 1 and drains[0].status == "pending" and drains[0].tenant == "default"
+        assert drains[0].request["reason"] == "the node is leaving: the cluster autoscaler is removing the node"
+        await store.finish_operation(drains[0].id, "succeeded", result={"moved": []})
+        await store.set_node_cordoned("node-a", False)  # the operator's call
+
+        await ctl.check_nodes()
+        assert not (await store.get_node("node-a")).cordoned
+        assert len(await store.find_operations(target="node/node-a", kind="node.drain")) == 1
+
+        a.info["leaving"] = {"reason": "the node is cordoned (kubectl cordon or drain)", "since": 200.0}
+        await ctl.check_nodes()
+        assert len(await store.find_operations(target="node/node-a", kind="node.drain")) == 2
+
+        # node-b leaves while node-a is cordoned: nowhere to go.
+        b.info["leaving"] = {"reason": "the operator retires the machine", "since": 300.0}
+        await ctl.check_nodes()
+        assert not (await store.get_node("node-b")).cordoned
+        assert await store.find_operations(target="node/node-b", kind="node.drain") == []
+        assert (await store.get_node("node-b")).state == "ready"
+    finally:
+        await registry.aclose()

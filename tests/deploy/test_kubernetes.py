@@ -31,6 +31,8 @@ DEPLOY_VENV = REPO / ".venv-deploy" / "bin"
 #: The Kubernetes minor versions the manifests are validated for (kind's and EKS's current ones).
 SUPPORTED = ("1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0")
 OVERLAYS = ("base", "kind", "eks")
+#: Kinds without a namespace.
+CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding")
 #: Kinds not in Kubernetes' schemas (CRDs), checked by hand below.
 CUSTOM_KINDS = {"ServiceMonitor"}
 #: Secrets the operator makes after the control plane is up (a join token) or may leave out.
@@ -89,7 +91,7 @@ def test_every_overlay_renders_the_whole_platform(rendered: dict[str, Path]) -> 
                 ("HorizontalPodAutoscaler", "space-api"), ("ServiceMonitor", "space-api"),
                 ("Namespace", "space")} <= names, overlay
         assert all(d["metadata"].get("namespace") == "space" for d in _docs(path)
-                   if d["kind"] not in ("Namespace",)), overlay
+                   if d["kind"] not in CLUSTER_SCOPED), overlay
     kind = {(d["kind"], d["metadata"]["name"]) for d in _docs(rendered["kind"])}
     assert {("StatefulSet", "space-postgres"), ("StatefulSet", "space-minio"), ("Secret", "space-control-keys")} <= kind
     eks = _docs(rendered["eks"])
@@ -166,6 +168,26 @@ def test_the_control_plane_pods_are_restricted(rendered: dict[str, Path]) -> Non
                 == (True, False, ["ALL"]), c["name"]
             assert {"cpu", "memory"} <= set(c["resources"]["limits"]) and {"cpu", "memory"} <= set(
                 c["resources"]["requests"]), c["name"]
+
+
+def test_only_the_node_pod_holds_a_kubernetes_token_and_it_may_only_get_nodes(rendered: dict[str, Path]) -> None:
+    """The node's preStop hook reads its own Node (space node leave --when kubernetes); nothing
+    else in SPACE calls the Kubernetes API."""
+    for overlay in OVERLAYS:
+        docs = _docs(rendered[overlay])
+        roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
+        assert list(roles) == [("ClusterRole", "space-node-read-nodes")], overlay
+        assert roles[("ClusterRole", "space-node-read-nodes")]["rules"] == [
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+        bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+        assert [(b["roleRef"]["name"], b["subjects"]) for b in bindings] == [
+            ("space-node-read-nodes", [{"kind": "ServiceAccount", "name": "space-node", "namespace": "space"}])]
+        ds = _by(docs, "DaemonSet")["space-node"]["spec"]["template"]["spec"]
+        assert ds["automountServiceAccountToken"] is True and ds["serviceAccountName"] == "space-node"
+        hook = ds["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[1:4] == ["node", "leave", "--data-dir=/var/lib/space/data"] and "--when=kubernetes" in hook
+        timeout = float(next(a for a in hook if a.startswith("--timeout=")).split("=")[1])
+        assert timeout < ds["terminationGracePeriodSeconds"], "the hook must end before the grace does"
 
 
 def test_the_node_daemonsets_host_access_is_the_documented_list(rendered: dict[str, Path]) -> None:

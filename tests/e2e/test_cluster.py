@@ -556,6 +556,42 @@ def test_a_drain_with_nowhere_to_go_is_refused(deployment: Cluster) -> None:
                 a.post(f"/v1/nodes/{other}/uncordon")
 
 
+def test_a_node_that_leaves_is_drained_while_its_leaving_waits(deployment: Cluster) -> None:
+    """``space node leave`` (a node pod's preStop hook when Kubernetes removes the machine; here
+    ``--when always``, as an operator retiring one) marks node-c as leaving; the leader drains it
+    and the command returns once node-c holds nothing. The sandbox runs on elsewhere, its counter
+    counting on from where it was. Withdrawn and uncordoned after, for the scenarios that follow."""
+    c = deployment
+    node = next(n for n in c.nodes if n.node_id == "node-c")
+    with c.client(0) as a:
+        for other in ("node-a", "node-b"):
+            a.post(f"/v1/nodes/{other}/cordon")
+        try:
+            sid = create_sandbox(a)
+        finally:
+            for other in ("node-a", "node-b"):
+                a.post(f"/v1/nodes/{other}/uncordon")
+        try:
+            assert a.get(f"/v1/sandboxes/{sid}").json()["node_id"] == "node-c"
+            cid = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER}).json()["id"]
+            before = _numbers(a, sid, cid, 2)[-1]
+            leave = subprocess.run([SPACE, "node", "leave", "--data-dir", str(node.data_dir), "--when", "always",
+                                    "--timeout", "300"], capture_output=True, text=True, timeout=400)
+            assert leave.returncode == 0 and "every sandbox moved away" in leave.stderr, leave.stderr
+            sb = a.get(f"/v1/sandboxes/{sid}").json()
+            assert sb["state"] == "running" and sb["node_id"] in ("node-a", "node-b"), sb
+            assert a.get("/v1/nodes/node-c").json()["cordoned"]
+            moved = [e for e in a.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "moved"]
+            assert len(moved) == 1 and moved[0]["data"]["from_node"] == "node-c" and moved[0]["data"]["drain"], moved
+            got = _numbers(a, sid, cid, before + 4)
+            assert got == list(range(1, len(got) + 1)), got
+        finally:
+            subprocess.run([SPACE, "node", "leave", "--data-dir", str(node.data_dir), "--cancel"],
+                           capture_output=True, timeout=60)
+            a.post("/v1/nodes/node-c/uncordon")
+            _delete(a, sid)
+
+
 def test_a_node_agent_restarted_in_place_keeps_its_sandboxes_running(deployment: Cluster) -> None:
     """The fast rolling upgrade: node-b's agent is stopped and started again on the same data (a new
     version would be a new binary); its join token is used up by now, so it serves on the certificate

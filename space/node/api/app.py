@@ -36,6 +36,7 @@ from space.errors import (
 from space.guest.protocol import MAX_PAYLOAD
 from space.node.api.watch_routes import watch_router
 from space.node.capacity import node_capacity
+from space.node.leaving import Heartbeats
 from space.node.network.egress import Egress
 from space.node.network.port_proxy import ports_router
 from space.node.network.port_websocket import port_websocket_router
@@ -245,6 +246,7 @@ def create_node_app(
     sse_keepalive: float = 15.0,
     warm: WarmPool | None = None,
     fence: Fence | None = None,
+    leaving: Heartbeats | None = None,
 ) -> FastAPI:
     app = FastAPI(title="SPACE node API", version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -278,6 +280,9 @@ def create_node_app(
         usage = await manager.pool.usage()
         owned = manager.list()
         return {
+            # Set while ``space node leave`` waits for this node's sandboxes to move away: the
+            # control plane drains it.
+            "leaving": leaving.report(len(owned)) if leaving is not None else None,
             "id": node_id,
             "sandboxes": len(owned),
             "templates": [t.name for t in await templates.list()],
