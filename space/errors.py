@@ -185,6 +185,16 @@ class CgroupsUnsupported(RuntimeFailure):
     code = "cgroups_unsupported"
 
 
+class KeyUnavailable(SpaceError):
+    """The key-encryption key a tenant's data is sealed under cannot be used: its KMS refuses it
+    (disabled, scheduled for deletion, deleted, access revoked) or does not know it. Nothing was
+    restored, and no other key is tried; ``key`` names it, ``provider`` its KMS. Once the key is
+    usable again, the same request succeeds."""
+
+    code = "key_unavailable"
+    status = 409
+
+
 class Internal(SpaceError):
     code = "internal"
     status = 500
