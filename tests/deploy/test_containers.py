@@ -121,7 +121,7 @@ class Containers:
     def node_argv(self, token_file: Path) -> list[str]:
         """The node agent's container, with the host paths and privileges of the DaemonSet."""
         mounts = ["-v", f"{self.node_dir}:{self.node_dir}:rshared",  # the pool outlives the container
-                  "-v", "/var/cache/space:/var/cache/space",
+                  "-v", f"{self.work / 'cache'}:/var/cache/space",  # its own (see the fixture)
                   "-v", "/run/netns:/run/netns:rshared",
                   "-v", "/run/space:/run/space",
                   "-v", "/sys/fs/cgroup:/sys/fs/cgroup",
@@ -197,6 +197,12 @@ def deployment(postgres_url: str) -> Iterator[Containers]:
     shutil.copy(work / "keys" / "manifest.key", node_dir / "manifest.key")
     _shared_mount(node_dir)
     _shared_mount(Path("/run/netns"))
+    # The node's template cache is its own: an agent takes its cache for its user (uid 10002 in the
+    # image), and the host's cache belongs to the host's node agents. The base template's stream
+    # is copied in from the host's cache when it has one (else the container builds it).
+    (work / "cache" / "templates").mkdir(parents=True)
+    for stream in Path("/var/cache/space/templates").glob("base-*.btrfs.zst"):
+        shutil.copyfile(stream, work / "cache" / "templates" / stream.name)
     Path("/run/space").mkdir(exist_ok=True)
     with moto_bucket() as objects:
         c = Containers(prefix=f"space-test-{secrets.token_hex(3)}", work=work, node_dir=node_dir,
@@ -249,7 +255,7 @@ def _teardown(c: Containers) -> None:
     data = c.node_dir / "data"
     if (data / "pool.img").exists():
         try:
-            node_teardown(data, "--cache-dir", "/var/cache/space")
+            node_teardown(data, "--cache-dir", str(c.work / "cache"))
             assert loop_devices(data / "pool.img") == "", "the node's loop device leaked"
         except AssertionError as e:
             errors.append(str(e))
