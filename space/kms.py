@@ -184,8 +184,8 @@ class AwsKms:
                  env: Mapping[str, str] | None = None) -> None:
         try:
             import botocore.session
-        except ImportError:  # pragma: no cover - botocore is a dependency
-            raise Unavailable("AWS KMS needs botocore") from None
+        except ImportError:  # pragma: no cover - the kms-aws extra is in every venv make setup builds
+            raise Unavailable("AWS KMS needs botocore: pip install 'space-sandbox[kms-aws]'") from None
         env = os.environ if env is None else env
         session = botocore.session.get_session()
         if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):

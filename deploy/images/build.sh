@@ -35,7 +35,7 @@ fi
 # -- 1. the Python distributions: this checkout and everything it needs, as wheels ------------------
 say "wheels: space $version and its dependencies"
 rm -f "$work"/wheels/"${dist//-/_}"-*.whl
-python3 -m pip wheel -q -w "$work/wheels" "$repo"
+python3 -m pip wheel -q -w "$work/wheels" "$repo[kms-aws]"
 python3 -m pip wheel -q -w "$work/gateway-wheels" -r "$repo/gateway-requirements.txt"
 cp "$work"/wheels/"${dist//-/_}"-*.whl "$work/gateway-wheels/"
 
@@ -154,7 +154,8 @@ root=$work/space-node
 rm -rf "$root"
 cp -a "$node_base" "$root"
 in_root "$root" python3 -m venv /opt/space/.venv
-in_root "$root" /opt/space/.venv/bin/pip install -q --no-index --find-links /tmp/wheels/wheels "$dist"
+# With AWS KMS for tenants' own keys: nodes wrap and unwrap their snapshots' data keys.
+in_root "$root" /opt/space/.venv/bin/pip install -q --no-index --find-links /tmp/wheels/wheels "$dist[kms-aws]"
 in_root "$root" python3 -m venv /opt/space/.venv-gateway
 cp "$repo/gateway-requirements.txt" "$work/gateway-requirements.txt"
 in_root "$root" /opt/space/.venv-gateway/bin/pip install -q --no-index --find-links /tmp/wheels/gateway-wheels \
