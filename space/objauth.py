@@ -112,6 +112,8 @@ class Opened:
 
     body: dict[str, Any]
     key_id: str
+    #: Which of the kinds the reader accepted it is.
+    kind: str = ""
 
 
 class ManifestKeys:
@@ -167,8 +169,9 @@ class ManifestKeys:
                "mac": {"alg": ALG, "key_id": self.current_id, "value": self._mac(self.current_id, kind, body)}}
         return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
 
-    def open(self, data: bytes, kind: str, *, key: str, what: str) -> Opened:
-        """Verify the document stored at ``key``; its body, else :class:`ObjectTampered`.
+    def open(self, data: bytes, kind: str | tuple[str, ...], *, key: str, what: str) -> Opened:
+        """Verify the document stored at ``key``; its body, else :class:`ObjectTampered`. ``kind``:
+        what the document must be (one of them, given several).
 
         ``what`` names the object in messages ("snapshot snap-1", "template base@1a2b..."). A
         document that is no JSON object at all is refused too: this is the only way in.
@@ -204,9 +207,10 @@ class ManifestKeys:
             raise refused(BAD_MAC, "has a body that cannot have been sealed") from None
         if not hmac.compare_digest(expected, value):
             raise refused(BAD_MAC, "fails its MAC: it was altered, or not written by this deployment")
-        if doc_kind != kind:
-            raise refused(WRONG_KIND, f"is a {doc_kind!r} manifest, not a {kind!r} one")
-        return Opened(body=body, key_id=kid)
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if doc_kind not in kinds:
+            raise refused(WRONG_KIND, f"is a {doc_kind!r} manifest, not a {' or '.join(map(repr, kinds))} one")
+        return Opened(body=body, key_id=kid, kind=doc_kind)
 
 
 def tampered(message: str, *, key: str, reason: str, **details: Any) -> ObjectTampered:

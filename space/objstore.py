@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import obstore
@@ -96,6 +96,14 @@ def _let_tokio_threads_settle() -> None:
 
 
 atexit.register(_let_tokio_threads_settle)
+
+
+class Transform(Protocol):
+    """What a download's bytes pass through on their way to the file (a decryptor)."""
+
+    def update(self, data: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -316,12 +324,14 @@ class ObjectStore:
         return await self.put_stream(key, read())
 
     async def get_to_file(self, key: str, path: Path, *, expected_sha256: str | None = None,
-                          expected_size: int | None = None) -> int:
+                          expected_size: int | None = None, transform: Transform | None = None) -> int:
         """Download ``key`` to ``path``; returns its size.
 
         The bytes go to a temporary file beside ``path``, are fsynced and checked against
         ``expected_size`` / ``expected_sha256`` (a mismatch is :class:`SnapshotCorrupt`), and only
-        then renamed onto ``path``. On any failure nothing is left behind.
+        then renamed onto ``path``. On any failure nothing is left behind. With ``transform`` (a
+        decryptor), what is written is what it makes of the stored bytes, which are what is sized
+        and hashed; it may refuse (raise) at any chunk or at the end.
         """
         check_key(key)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
@@ -334,8 +344,8 @@ class ObjectStore:
             f = out
 
             def write(chunk: bytes) -> None:
-                out.write(chunk)
                 digest.update(chunk)
+                out.write(chunk if transform is None else transform.update(chunk))
 
             stream = result.stream(min_chunk_size=IO_CHUNK)
             while True:
@@ -347,9 +357,6 @@ class ObjectStore:
                     raise SnapshotCorrupt(f"object {key} is larger than the {expected_size} bytes expected",
                                           key=key, expected_size=expected_size)
                 await asyncio.to_thread(write, chunk)
-            await asyncio.to_thread(_flush_and_sync, out)
-            await asyncio.to_thread(out.close)
-            f = None
             if expected_size is not None and size != expected_size:
                 raise SnapshotCorrupt(f"object {key} has {size} bytes, {expected_size} were expected",
                                       key=key, size=size, expected_size=expected_size)
@@ -358,6 +365,12 @@ class ObjectStore:
                 raise SnapshotCorrupt(f"object {key} does not match its checksum: sha256 {actual}, "
                                       f"{expected_sha256} was expected",
                                       key=key, sha256=actual, expected_sha256=expected_sha256)
+            if transform is not None:  # the stored bytes are the ones written: now the last of them
+                last = transform.finish()
+                await asyncio.to_thread(out.write, last)
+            await asyncio.to_thread(_flush_and_sync, out)
+            await asyncio.to_thread(out.close)
+            f = None
             await asyncio.to_thread(os.replace, tmp, path)
             await asyncio.to_thread(_fsync_dir, path.parent)
         except BaseException:

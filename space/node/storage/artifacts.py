@@ -17,6 +17,18 @@ reader expects (a valid manifest of another sandbox, tenant, snapshot or place i
 :class:`~space.errors.ObjectTampered`), and a download then checks every artifact's size and
 sha256 against it before anything uses a byte.
 
+With a :class:`Sealing` (a tenant's key), every artifact is encrypted as it streams up and
+decrypted as it streams down (:mod:`space.objcrypt`), under a key that takes two things to make:
+the data key the tenant's KMS key wraps (:mod:`space.kms`; the wrapped key is in the manifest) and
+the *shred secret* the control plane holds for what the snapshot belongs to, never object storage.
+Such a manifest is of kind ``snapshot-encrypted``, which nodes that cannot decrypt refuse::
+
+    "body": {..., "encryption": {"alg": "aes-256-gcm-frames-v1", "frame": 262144,
+                                 "key": {"provider": "local", "key_id": "acme", "wrapped": "..."}}}
+
+The sizes and sha256s the manifest records are of the stored (encrypted) bytes, checked before the
+last frame is released.
+
 This module knows nothing of btrfs or runsc: callers hand it files and byte streams.
 """
 
@@ -37,11 +49,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from space import failpoints
-from space.errors import InvalidRequest, NotFound, ObjectTampered, SnapshotCorrupt
-from space.objauth import ManifestKeys, check_binding
-from space.objstore import ObjectStore, PutResult, check_key
+from space import failpoints, objcrypt
+from space.errors import InvalidRequest, KeyUnavailable, NotFound, ObjectTampered, SnapshotCorrupt
+from space.kms import DataKeys, KeyRef, WrappedKey
+from space.objauth import ManifestKeys, canonical, check_binding
+from space.objstore import IO_CHUNK, ObjectStore, PutResult, check_key
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +66,9 @@ MANIFEST = "manifest.json"
 #: The sealed format (:mod:`space.objauth`); format 1 was the same body unsealed.
 FORMAT_VERSION = 2
 KIND = "snapshot"
+KIND_ENCRYPTED = "snapshot-encrypted"
+ENCRYPTION_ALG = "aes-256-gcm-frames-v1"
+SHRED_BYTES = 32
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -71,6 +89,33 @@ class Artifact:
 
 
 @dataclass(frozen=True)
+class Sealing:
+    """How a snapshot's artifacts are encrypted: the node's data keys, the tenant's key, and the
+    shred secret of what the snapshot belongs to (from the control plane, which alone keeps it)."""
+
+    keys: DataKeys
+    ref: KeyRef
+    shred: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.shred) != SHRED_BYTES:
+            raise InvalidRequest(f"a shred secret is {SHRED_BYTES} bytes")
+
+
+def key_context(binding: dict[str, str]) -> dict[str, str]:
+    """What a snapshot's data key is bound to at its KMS (the encryption context)."""
+    return {"tenant": binding["tenant"], "sandbox": binding["sandbox_id"], "snapshot": binding["snapshot_id"]}
+
+
+def _snapshot_key(kms_key: bytes, shred: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=shred, info=b"space-snapshot-key:v1").derive(kms_key)
+
+
+def _artifact_key(snapshot_key: bytes, binding: dict[str, str], name: str) -> objcrypt.ArtifactKey:
+    return objcrypt.ArtifactKey.derive(snapshot_key, objcrypt.identity(canonical(binding), name))
+
+
+@dataclass(frozen=True)
 class ArtifactRecord:
     """An artifact as the manifest records it."""
 
@@ -87,6 +132,8 @@ class Manifest:
     artifacts: tuple[ArtifactRecord, ...] = field(default_factory=tuple)
     #: What it was written for (tenant, sandbox, snapshot, its prefix): checked on every read.
     binding: dict[str, str] = field(default_factory=dict)
+    #: How its artifacts are encrypted (None: they are not).
+    encryption: dict[str, Any] | None = None
 
     @property
     def total_size(self) -> int:
@@ -99,15 +146,22 @@ class Manifest:
         raise NotFound(f"the snapshot has no artifact {name!r}", artifact=name)
 
     def body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "binding": dict(self.binding),
             "created_at": self.created_at,
             "meta": self.meta,
             "artifacts": [{"name": a.name, "size": a.size, "sha256": a.sha256} for a in self.artifacts],
         }
+        if self.encryption is not None:
+            body["encryption"] = self.encryption
+        return body
+
+    @property
+    def wrapped_key(self) -> WrappedKey | None:
+        return None if self.encryption is None else WrappedKey.from_json(self.encryption["key"])
 
     def seal(self, keys: ManifestKeys) -> bytes:
-        return keys.seal(KIND, self.body())
+        return keys.seal(KIND if self.encryption is None else KIND_ENCRYPTED, self.body())
 
     @classmethod
     def open(cls, data: bytes, *, keys: ManifestKeys, prefix: str, binding: dict[str, str]) -> Manifest:
@@ -115,9 +169,14 @@ class Manifest:
         sealed with this deployment's key for exactly ``binding``; :class:`SnapshotCorrupt` if its
         (authentic) body is malformed."""
         key = f"{prefix}/{MANIFEST}"
-        opened = keys.open(data, KIND, key=key, what=f"snapshot {prefix}")
+        opened = keys.open(data, (KIND, KIND_ENCRYPTED), key=key, what=f"snapshot {prefix}")
         check_binding(opened.body, binding, key=key, what=f"snapshot {prefix}")
-        return cls.from_body(opened.body, prefix=prefix)
+        manifest = cls.from_body(opened.body, prefix=prefix)
+        if (manifest.encryption is not None) != (opened.kind == KIND_ENCRYPTED):
+            raise SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: a {opened.kind!r} manifest "
+                                  f"{'with' if manifest.encryption else 'without'} an encryption section",
+                                  snapshot=prefix)
+        return manifest
 
     @classmethod
     def from_body(cls, body: dict[str, Any], *, prefix: str) -> Manifest:
@@ -144,8 +203,17 @@ class Manifest:
             records.append(ArtifactRecord(name=name, size=size, sha256=sha))
         if len({r.name for r in records}) != len(records):
             raise bad("an artifact is listed twice")
+        encryption = body.get("encryption")
+        if encryption is not None:
+            if (not isinstance(encryption, dict) or encryption.get("alg") != ENCRYPTION_ALG
+                    or encryption.get("frame") != objcrypt.FRAME):
+                raise bad(f"its encryption section is not {ENCRYPTION_ALG} with {objcrypt.FRAME}-byte frames")
+            try:
+                WrappedKey.from_json(encryption.get("key"))
+            except InvalidRequest as e:
+                raise bad(f"its wrapped key is malformed: {e.message}") from None
         return cls(version=FORMAT_VERSION, created_at=created_at, meta=meta, artifacts=tuple(records),
-                   binding=dict(binding))
+                   binding=dict(binding), encryption=encryption)
 
     @classmethod
     def parse_legacy(cls, data: bytes, *, prefix: str) -> Manifest:
@@ -204,8 +272,20 @@ async def _progress(on_progress: Progress | None, message: str) -> None:
 # ---- upload, read, download, delete -------------------------------------------------------------
 
 
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    try:
+        f = await asyncio.to_thread(open, path, "rb")
+    except FileNotFoundError as e:
+        raise NotFound(f"cannot upload {path}: the file does not exist", path=str(path)) from e
+    try:
+        while chunk := await asyncio.to_thread(f.read, IO_CHUNK):
+            yield chunk
+    finally:
+        f.close()
+
+
 async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[Artifact], meta: dict[str, Any],
-                          *, keys: ManifestKeys, binding: dict[str, str],
+                          *, keys: ManifestKeys, binding: dict[str, str], sealing: Sealing | None = None,
                           on_progress: Progress | None = None) -> Manifest:
     """Upload ``artifacts`` under ``prefix``, then commit them by writing the manifest, sealed
     with ``keys`` for ``binding`` (:func:`snapshot_binding`).
@@ -222,12 +302,27 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
     stale = await store.delete_prefix(prefix)
     if stale:
         log.info("snapshot upload: removed stale objects", prefix=prefix, count=stale, store=store.describe())
+    encryption: dict[str, Any] | None = None
+    snapshot_key: bytes | None = None
+    if sealing is not None:
+        # A fresh data key per upload (a retry makes another): the KMS wraps it for this snapshot.
+        kms_key, wrapped = await sealing.keys.new(sealing.ref, key_context(binding))
+        snapshot_key = _snapshot_key(kms_key, sealing.shred)
+        encryption = {"alg": ENCRYPTION_ALG, "frame": objcrypt.FRAME, "key": wrapped.to_json()}
     records: list[ArtifactRecord] = []
     for i, art in enumerate(artifacts, 1):
         await _progress(on_progress, f"uploading {art.name} ({i}/{len(artifacts)})")
         key = f"{prefix}/{art.name}"
         result: PutResult
-        if art.path is not None:
+        if snapshot_key is not None:
+            if art.path is not None:
+                source = _file_chunks(art.path)
+            else:
+                assert art.stream is not None  # __post_init__ guarantees one of the two
+                source = art.stream()
+            result = await store.put_stream(
+                key, objcrypt.encrypt_stream(_artifact_key(snapshot_key, binding, art.name), source))
+        elif art.path is not None:
             result = await store.put_file(key, art.path)
         else:
             assert art.stream is not None  # __post_init__ guarantees one of the two
@@ -235,7 +330,7 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
         records.append(ArtifactRecord(name=art.name, size=result.size, sha256=result.sha256))
         await _progress(on_progress, f"uploaded {art.name}: {result.size} bytes")
     manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=dict(meta),
-                        artifacts=tuple(records), binding=dict(binding))
+                        artifacts=tuple(records), binding=dict(binding), encryption=encryption)
     await failpoints.hit("artifacts.before_manifest")
     await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.seal(keys))
     log.info("snapshot uploaded", prefix=prefix, artifacts=len(records), bytes=manifest.total_size,
@@ -264,7 +359,8 @@ async def read_manifest(store: ObjectStore, prefix: str, *, keys: ManifestKeys,
 
 async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys: ManifestKeys,
                             binding: dict[str, str], manifest: Manifest | None = None,
-                            names: Sequence[str] | None = None, on_progress: Progress | None = None) -> Manifest:
+                            names: Sequence[str] | None = None, on_progress: Progress | None = None,
+                            data_keys: DataKeys | None = None, shred: bytes | None = None) -> Manifest:
     """Download the snapshot's artifacts (all, or ``names``) to ``dest/<name>``, each verified
     against its manifest (read and verified here unless the caller passes the one it verified).
 
@@ -286,6 +382,15 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys
             except NotFound:
                 raise NotFound(f"snapshot {prefix} has no artifact {name!r}", snapshot=prefix,
                                artifact=name) from None
+    snapshot_key: bytes | None = None
+    wrapped = manifest.wrapped_key
+    if wrapped is not None:
+        if data_keys is None or shred is None:
+            raise KeyUnavailable(f"snapshot {prefix} is encrypted under {wrapped.ref.provider} key "
+                                 f"{wrapped.ref.key_id}, and no key for it came with the request",
+                                 key=wrapped.ref.key_id, provider=wrapped.ref.provider, snapshot=prefix)
+        # Before any byte is fetched: a refused key fails the restore at once, nothing written.
+        snapshot_key = _snapshot_key(await data_keys.open(wrapped, key_context(manifest.binding)), shred)
     written: list[Path] = []
     try:
         for i, rec in enumerate(wanted, 1):
@@ -294,7 +399,10 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys
             await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
             key = f"{prefix}/{rec.name}"
             try:
-                await store.get_to_file(key, target, expected_sha256=rec.sha256, expected_size=rec.size)
+                transform = None if snapshot_key is None else objcrypt.Decryptor(
+                    _artifact_key(snapshot_key, manifest.binding, rec.name), what=key)
+                await store.get_to_file(key, target, expected_sha256=rec.sha256, expected_size=rec.size,
+                                        transform=transform)
             except NotFound:
                 raise SnapshotCorrupt(f"snapshot {prefix} is corrupt: its artifact {rec.name} is missing",
                                       snapshot=prefix, artifact=rec.name) from None

@@ -1,0 +1,123 @@
+"""Encrypted snapshots (space.node.storage.artifacts with a Sealing), on a local directory and on
+moto's S3, under the local keyring:
+
+- a round trip gives back every artifact, streamed and from files; the manifest is of kind
+  ``snapshot-encrypted``, carries the wrapped key, and records the stored (encrypted) sizes and
+  hashes; no plaintext marker is in any stored byte
+- a reader that cannot decrypt (an older node: it opens only ``snapshot``) refuses the manifest
+- without the key, with a refused key, or with another shred secret, nothing is written: the
+  download fails (KeyUnavailable, or ObjectTampered from the first frame) and leaves no file
+- a retry uploads under a fresh data key
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from space import objauth
+from space.errors import KeyUnavailable, ObjectTampered, SnapshotCorrupt
+from space.kms import LOCAL, DataKeys, KeyRef, LocalKeyring
+from space.node.storage.artifacts import (
+    KIND,
+    KIND_ENCRYPTED,
+    MANIFEST,
+    Artifact,
+    Sealing,
+    download_snapshot,
+    read_manifest,
+    snapshot_binding,
+    upload_snapshot,
+)
+from space.objauth import ManifestKeys
+from space.objstore import ObjectStore
+
+pytestmark = pytest.mark.anyio
+
+PREFIX = "tenants/t1/sandboxes/sb-1/snapshots/snap-1"
+KEYS = ManifestKeys([objauth.generate_key()])
+BOUND = snapshot_binding(tenant="t1", sandbox_id="sb-1", snapshot_id="snap-1", prefix=PREFIX)
+SEALED = {"keys": KEYS, "binding": BOUND}
+MARKER = b"SPACE-SECRET-MARKER-0123456789"
+
+
+def _data_keys(root: bytes) -> DataKeys:
+    return DataKeys({LOCAL: LocalKeyring([root])}, ttl=0)
+
+
+def _inputs(tmp_path: Path) -> tuple[list[Artifact], dict[str, bytes]]:
+    rootfs = (os.urandom(100_000) + MARKER) * 20  # a little over 2 MB: several frames
+    (tmp_path / "pages.img").write_bytes(MARKER * 10_000)
+    (tmp_path / "empty.img").write_bytes(b"")
+
+    async def send() -> AsyncIterator[bytes]:
+        for i in range(0, len(rootfs), 65536):
+            yield rootfs[i:i + 65536]
+
+    return ([Artifact("rootfs.btrfs.zst", stream=send), Artifact("checkpoint/pages.img", path=tmp_path / "pages.img"),
+             Artifact("checkpoint/empty.img", path=tmp_path / "empty.img")],
+            {"rootfs.btrfs.zst": rootfs, "checkpoint/pages.img": MARKER * 10_000, "checkpoint/empty.img": b""})
+
+
+async def _stored(store: ObjectStore, prefix: str) -> dict[str, bytes]:
+    return {key: await store.get_bytes(key) for key in await store.list(prefix)}
+
+
+async def test_an_encrypted_snapshot_round_trips_and_stores_no_plaintext(store: ObjectStore, tmp_path: Path) -> None:
+    root, shred = os.urandom(32), os.urandom(32)
+    keys = _data_keys(root)
+    artifacts, contents = _inputs(tmp_path)
+    sealing = Sealing(keys, KeyRef(LOCAL, "t1"), shred)
+
+    manifest = await upload_snapshot(store, PREFIX, artifacts, {"env": {"TOKEN": MARKER.decode()}}, sealing=sealing,
+                                     **SEALED)
+
+    assert manifest.encryption is not None and manifest.encryption["key"]["key_id"] == "t1"
+    for rec in manifest.artifacts:
+        assert rec.size > len(contents[rec.name])  # the header and a tag per frame
+    stored = await _stored(store, PREFIX)
+    assert all(MARKER not in data for key, data in stored.items() if not key.endswith(MANIFEST))
+    doc = json.loads(stored[f"{PREFIX}/{MANIFEST}"])
+    assert doc["kind"] == KIND_ENCRYPTED
+    # An older node, which opens only plain snapshots, refuses it rather than restore ciphertext.
+    with pytest.raises(ObjectTampered, match="not a 'snapshot' one"):
+        KEYS.open(stored[f"{PREFIX}/{MANIFEST}"], KIND, key="m", what="snapshot")
+
+    dest = tmp_path / "restore"
+    got = await download_snapshot(store, PREFIX, dest, data_keys=keys, shred=shred, **SEALED)
+    assert got == manifest == await read_manifest(store, PREFIX, **SEALED)
+    for name, data in contents.items():
+        assert (dest / name).read_bytes() == data
+
+
+async def test_without_its_key_or_shred_secret_nothing_is_restored(store: ObjectStore, tmp_path: Path) -> None:
+    root, shred = os.urandom(32), os.urandom(32)
+    artifacts, _ = _inputs(tmp_path)
+    await upload_snapshot(store, PREFIX, artifacts, {}, sealing=Sealing(_data_keys(root), KeyRef(LOCAL, "t1"), shred),
+                          **SEALED)
+    dest = tmp_path / "restore"
+    with pytest.raises(KeyUnavailable, match="no key for it came with the request"):
+        await download_snapshot(store, PREFIX, dest, **SEALED)
+    with pytest.raises(KeyUnavailable, match="no longer holds"):  # the root key it was wrapped under is gone
+        await download_snapshot(store, PREFIX, dest, data_keys=_data_keys(os.urandom(32)), shred=shred, **SEALED)
+    with pytest.raises(SnapshotCorrupt):  # another shred secret: the first frame does not authenticate
+        await download_snapshot(store, PREFIX, dest, data_keys=_data_keys(root), shred=os.urandom(32), **SEALED)
+    assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*"))
+
+
+async def test_a_retry_uploads_under_a_fresh_data_key(store: ObjectStore, tmp_path: Path) -> None:
+    keys, shred = _data_keys(os.urandom(32)), os.urandom(32)
+    sealing = Sealing(keys, KeyRef(LOCAL, "t1"), shred)
+    artifacts, _ = _inputs(tmp_path)
+    first = await upload_snapshot(store, PREFIX, artifacts, {}, sealing=sealing, **SEALED)
+    artifacts, contents = _inputs(tmp_path)
+    second = await upload_snapshot(store, PREFIX, artifacts, {}, sealing=sealing, **SEALED)
+    assert first.wrapped_key != second.wrapped_key
+    assert first.artifact("rootfs.btrfs.zst").sha256 != second.artifact("rootfs.btrfs.zst").sha256
+    dest = tmp_path / "restore"
+    await download_snapshot(store, PREFIX, dest, data_keys=keys, shred=shred, **SEALED)
+    assert (dest / "rootfs.btrfs.zst").read_bytes() == contents["rootfs.btrfs.zst"]
