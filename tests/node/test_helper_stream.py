@@ -22,9 +22,11 @@ import pytest
 
 from space import objauth
 from space.errors import Conflict, InvalidRequest, NotFound, RuntimeFailure, SnapshotCorrupt
+from space.kms import LOCAL, DataKeys, KeyRef, LocalKeyring
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
 from space.node.storage import artifacts, shipping, snapshots
+from space.node.storage.artifacts import Sealing
 from space.node.storage.pool import Pool
 from space.objstore import ObjectStore
 from tests.node.poolkit import PoolFactory
@@ -325,9 +327,12 @@ async def test_send_delta_streams_a_failing_send_as_an_error(btrfs_pool: Pool, t
 # -- shipping a snapshot between two pools (file:// object store; no runtime needed) -----------------
 
 
+@pytest.mark.parametrize("encrypted", [False, True])
 async def test_a_shipped_snapshot_is_a_delta_that_lands_on_another_node(
-    btrfs_pool: Pool, pool_factory: PoolFactory, tmp_path: Path
+    btrfs_pool: Pool, pool_factory: PoolFactory, tmp_path: Path, encrypted: bool
 ) -> None:
+    """Also encrypted (a tenant's key, the local keyring): then no stored byte holds the sandbox's
+    file or its memory image, and it lands all the same."""
     template = btrfs_pool.root / "templates" / f"ship-{uuid.uuid4().hex[:8]}@0123456789abcdef"
     sid, snap_id = f"sb-{uuid.uuid4().hex[:8]}", "snap-1"
     await btrfs_pool.create_subvolume(template)
@@ -359,8 +364,16 @@ async def test_a_shipped_snapshot_is_a_delta_that_lands_on_another_node(
         await shipping.receive_compressed(other, stream, other.root / "templates", template.name)
 
         bound = artifacts.snapshot_binding(tenant="t", sandbox_id=sid, snapshot_id=snap_id, prefix="ship/test")
-        shipped = await shipping.upload(store, "ship/test", btrfs_pool, snap, template, {}, keys=KEYS, binding=bound)
-        got = await shipping.download(store, "ship/test", other, sid, snap_id, keys=KEYS, binding=bound)
+        sealing = Sealing(DataKeys({LOCAL: LocalKeyring([os.urandom(32)])}), KeyRef(LOCAL, "t"), os.urandom(32)) \
+            if encrypted else None
+        shipped = await shipping.upload(store, "ship/test", btrfs_pool, snap, template, {}, keys=KEYS, binding=bound,
+                                        sealing=sealing)
+        if encrypted:
+            for key in await store.list("ship/test"):
+                data = await store.get_bytes(key)
+                assert b"memory" * 10 not in data and b"by the sandbox" not in data, key
+        got = await shipping.download(store, "ship/test", other, sid, snap_id, keys=KEYS, binding=bound,
+                                      sealing=sealing)
 
         rootfs_bytes = next(a["size"] for a in shipped["artifacts"] if a["name"] == shipping.ROOTFS_ARTIFACT)
         assert rootfs_bytes < 64 * 1024  # a delta: the template's 256 KiB of noise is not in it

@@ -88,7 +88,7 @@ async def test_an_encrypted_snapshot_round_trips_and_stores_no_plaintext(store: 
         KEYS.open(stored[f"{PREFIX}/{MANIFEST}"], KIND, key="m", what="snapshot")
 
     dest = tmp_path / "restore"
-    got = await download_snapshot(store, PREFIX, dest, data_keys=keys, shred=shred, **SEALED)
+    got = await download_snapshot(store, PREFIX, dest, sealing=Sealing(keys, KeyRef(LOCAL, "t1"), shred), **SEALED)
     assert got == manifest == await read_manifest(store, PREFIX, **SEALED)
     for name, data in contents.items():
         assert (dest / name).read_bytes() == data
@@ -103,9 +103,11 @@ async def test_without_its_key_or_shred_secret_nothing_is_restored(store: Object
     with pytest.raises(KeyUnavailable, match="no key for it came with the request"):
         await download_snapshot(store, PREFIX, dest, **SEALED)
     with pytest.raises(KeyUnavailable, match="no longer holds"):  # the root key it was wrapped under is gone
-        await download_snapshot(store, PREFIX, dest, data_keys=_data_keys(os.urandom(32)), shred=shred, **SEALED)
+        other_root = Sealing(_data_keys(os.urandom(32)), KeyRef(LOCAL, "t1"), shred)
+        await download_snapshot(store, PREFIX, dest, sealing=other_root, **SEALED)
     with pytest.raises(SnapshotCorrupt):  # another shred secret: the first frame does not authenticate
-        await download_snapshot(store, PREFIX, dest, data_keys=_data_keys(root), shred=os.urandom(32), **SEALED)
+        other_shred = Sealing(_data_keys(root), KeyRef(LOCAL, "t1"), os.urandom(32))
+        await download_snapshot(store, PREFIX, dest, sealing=other_shred, **SEALED)
     assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*"))
 
 
@@ -119,5 +121,5 @@ async def test_a_retry_uploads_under_a_fresh_data_key(store: ObjectStore, tmp_pa
     assert first.wrapped_key != second.wrapped_key
     assert first.artifact("rootfs.btrfs.zst").sha256 != second.artifact("rootfs.btrfs.zst").sha256
     dest = tmp_path / "restore"
-    await download_snapshot(store, PREFIX, dest, data_keys=keys, shred=shred, **SEALED)
+    await download_snapshot(store, PREFIX, dest, sealing=Sealing(keys, KeyRef(LOCAL, "t1"), shred), **SEALED)
     assert (dest / "rootfs.btrfs.zst").read_bytes() == contents["rootfs.btrfs.zst"]

@@ -10,6 +10,8 @@ control plane can pass streams through untouched.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import json
 import os
@@ -34,6 +36,7 @@ from space.errors import (
     Unauthorized,
 )
 from space.guest.protocol import MAX_PAYLOAD
+from space.kms import KeyRef
 from space.node.api.watch_routes import watch_router
 from space.node.capacity import node_capacity
 from space.node.leaving import Heartbeats
@@ -45,6 +48,7 @@ from space.node.sandboxes.fencing import Fence
 from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
 from space.node.storage import snapshots
+from space.node.storage.artifacts import SHRED_BYTES, SealingSpec
 from space.node.templates import save as template_save
 from space.node.templates.store import TemplateStore
 from space.web import guest_event_to_sse, install_error_handlers, sse
@@ -137,6 +141,27 @@ class SnapshotRequest(BaseModel):
     stay_paused: bool = False
 
 
+class SealingModel(BaseModel):
+    """How a snapshot is encrypted (issue BYOK): the tenant's key and the shred secret the control
+    plane holds for what the snapshot belongs to (base64 of 32 bytes)."""
+
+    key: dict[str, str]
+    shred: str = Field(..., min_length=44, max_length=44)
+
+    def spec(self) -> SealingSpec:
+        try:
+            shred = base64.b64decode(self.shred, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred") from None
+        if len(shred) != SHRED_BYTES:
+            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred")
+        return SealingSpec(KeyRef.from_json(self.key), shred)
+
+
+def _spec(sealing: SealingModel | None) -> SealingSpec | None:
+    return None if sealing is None else sealing.spec()
+
+
 class RollbackRequest(BaseModel):
     snapshot: str
     #: The sandbox that owns the snapshot (default: this one).
@@ -150,12 +175,16 @@ class RollbackRequest(BaseModel):
     egress: EgressConfig | None = None
     #: The sandbox's disk limit in MiB, for its new root (None: the one it has).
     disk_mb: int | None = Field(None, ge=16, le=1 << 30)
+    #: Its artifacts encrypted (None: they are not, or were not).
+    sealing: SealingModel | None = None
 
 
 class UploadRequest(BaseModel):
     prefix: str = Field(..., min_length=1, max_length=512)
     #: The snapshot's tenant: its manifest is sealed for it.
     tenant: str = Field(..., min_length=1, max_length=128)
+    #: Its artifacts encrypted (None: they are not, or were not).
+    sealing: SealingModel | None = None
 
 
 class RebootRequest(BaseModel):
@@ -184,6 +213,8 @@ class ShipRequest(BaseModel):
     kind: Literal["full", "disk"] = "full"
     #: Restore only: the sandbox's disk limit in MiB (None: the snapshot's).
     disk_mb: int | None = Field(None, ge=16, le=1 << 30)
+    #: Its artifacts encrypted (None: they are not, or were not).
+    sealing: SealingModel | None = None
 
 
 class BackupConfig(BaseModel):
@@ -469,7 +500,8 @@ def create_node_app(
         if body.prefix and snapshots.read(manager.pool, owner, body.snapshot) is None:
             if body.tenant is None:
                 raise InvalidRequest("a rollback to a snapshot in object storage needs its tenant", field="tenant")
-            await manager.fetch_snapshot(owner, body.snapshot, body.prefix, tenant=body.tenant)
+            await manager.fetch_snapshot(owner, body.snapshot, body.prefix, tenant=body.tenant,
+                                         sealing=_spec(body.sealing))
         sb = await manager.rollback(sandbox_id, body.snapshot, token=body.token, source=body.source,
                                     disk_mb=body.disk_mb)
         await _egress(sandbox_id, body.egress)
@@ -477,7 +509,8 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/snapshots/{snap_id}/upload")
     async def upload_snapshot(sandbox_id: str, snap_id: str, body: UploadRequest) -> dict[str, Any]:
-        return await manager.upload_snapshot(sandbox_id, snap_id, body.prefix, tenant=body.tenant)
+        return await manager.upload_snapshot(sandbox_id, snap_id, body.prefix, tenant=body.tenant,
+                                             sealing=_spec(body.sealing))
 
     @r.post("/sandboxes/{sandbox_id}/reboot")
     async def reboot(sandbox_id: str, body: RebootRequest) -> dict[str, Any]:
@@ -492,13 +525,14 @@ def create_node_app(
 
     @r.post("/sandboxes/{sandbox_id}/suspend")
     async def suspend(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
-        return await manager.suspend(sandbox_id, body.snapshot, body.prefix, kind=body.kind, tenant=body.tenant)
+        return await manager.suspend(sandbox_id, body.snapshot, body.prefix, kind=body.kind, tenant=body.tenant,
+                                     sealing=_spec(body.sealing))
 
     @r.post("/sandboxes/{sandbox_id}/restore")
     async def restore(sandbox_id: str, body: ShipRequest) -> dict[str, Any]:
         await _egress(sandbox_id, body.egress)
         sb = await manager.restore(sandbox_id, body.snapshot, body.prefix, token=body.token, disk_mb=body.disk_mb,
-                                   tenant=body.tenant, owner=body.source)
+                                   tenant=body.tenant, owner=body.source, sealing=_spec(body.sealing))
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 

@@ -23,6 +23,7 @@ import structlog
 
 from space import ids
 from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
+from space.kms import DataKeys
 from space.node.network import port_proxy
 from space.node.network.egress import Egress
 from space.node.network.namespaces import SandboxNet
@@ -30,7 +31,7 @@ from space.node.sandboxes import startup
 from space.node.sandboxes.backups import Backups
 from space.node.sandboxes.guest_client import GuestConnection
 from space.node.storage import backup_chain, shipping, snapshots
-from space.node.storage.artifacts import Manifest, read_manifest, snapshot_binding
+from space.node.storage.artifacts import Manifest, Sealing, SealingSpec, read_manifest, snapshot_binding
 from space.node.storage.pool import Pool
 from space.node.templates import objects as template_objects
 from space.node.templates.store import TemplateStore, spec_digest
@@ -118,6 +119,9 @@ class SandboxManager:
         self.channel_dir = channel_dir
         self.guest_timeout = guest_timeout
         self.objects = objects
+        #: The data keys this node wraps and opens snapshots' keys with (None: no key providers,
+        #: so an encrypted snapshot is refused with key_unavailable).
+        self.data_keys: DataKeys | None = None
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._guests: dict[str, GuestConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -946,17 +950,25 @@ class SandboxManager:
 
     async def suspend(self, sandbox_id: str, snap_id: str, prefix: str,
                       on_progress: shipping.Progress | None = None, *, kind: str = "full",
-                      tenant: str) -> dict[str, Any]:
+                      tenant: str, sealing: SealingSpec | None = None) -> dict[str, Any]:
         """Freeze, take a snapshot (``full``: with memory; ``disk``: the files only) and ship it
         (template first, then artifacts, then manifest). The sandbox stays paused here: the caller
         evicts it once the snapshot is recorded."""
+        sealed = None if sealing is None else sealing.bind(self.data_keys)  # refused before anything is done
         await self.take_snapshot(sandbox_id, snap_id, kind, stay_paused=True)
-        return await self.upload_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant)
+        return await self._upload(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant, sealing=sealed)
 
     async def upload_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
-                              on_progress: shipping.Progress | None = None, *, tenant: str) -> dict[str, Any]:
+                              on_progress: shipping.Progress | None = None, *, tenant: str,
+                              sealing: SealingSpec | None = None) -> dict[str, Any]:
         """Ship one of the sandbox's snapshots to object storage (its template first), its manifest
-        sealed for this tenant, sandbox, snapshot and prefix."""
+        sealed for this tenant, sandbox, snapshot and prefix (its artifacts encrypted with
+        ``sealing``)."""
+        return await self._upload(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant,
+                                  sealing=None if sealing is None else sealing.bind(self.data_keys))
+
+    async def _upload(self, sandbox_id: str, snap_id: str, prefix: str, *, on_progress: shipping.Progress | None,
+                      tenant: str, sealing: Sealing | None) -> dict[str, Any]:
         objects, keys = self._objects()
         snap = snapshots.get(self.pool, sandbox_id, snap_id)
         published = await self.templates.publish(objects, snap.template, snap.template_digest,
@@ -966,11 +978,11 @@ class SandboxManager:
         return await shipping.upload(objects, prefix, self.pool, snap, root,
                                      {"template_spec": published.spec, "template": published.ref(),
                                       "sandbox_id": sandbox_id},
-                                     on_progress=on_progress, keys=keys, binding=binding)
+                                     on_progress=on_progress, keys=keys, binding=binding, sealing=sealing)
 
     async def fetch_snapshot(self, sandbox_id: str, snap_id: str, prefix: str,
                              on_progress: shipping.Progress | None = None, *, tenant: str,
-                             owner: str | None = None) -> snapshots.LocalSnapshot:
+                             owner: str | None = None, sealing: SealingSpec | None = None) -> snapshots.LocalSnapshot:
         """Bring a shipped snapshot of ``owner`` (default: this sandbox) onto this node, into
         ``sandbox_id``'s directory: its manifest verified (sealed for exactly that tenant, owner,
         snapshot and prefix), then the template stream it names, then its artifacts."""
@@ -980,11 +992,12 @@ class SandboxManager:
         await self._ensure_template_of(manifest, what=f"snapshot {snap_id}", on_progress=on_progress,
                                        snapshot_id=snap_id)
         return await shipping.download(objects, prefix, self.pool, sandbox_id, snap_id, on_progress=on_progress,
-                                       keys=keys, binding=binding, manifest=manifest)
+                                       keys=keys, binding=binding, manifest=manifest,
+                                       sealing=None if sealing is None else sealing.bind(self.data_keys))
 
     async def restore(self, sandbox_id: str, snap_id: str, prefix: str, *, token: str | None = None,
                       on_progress: shipping.Progress | None = None, disk_mb: int | None = None,
-                      tenant: str, owner: str | None = None) -> LocalSandbox:
+                      tenant: str, owner: str | None = None, sealing: SealingSpec | None = None) -> LocalSandbox:
         """Bring a suspended sandbox back on this node (or make a new one, ``sandbox_id``, of
         ``owner``'s shipped snapshot): its template (materialized if missing, one download shared
         by concurrent restores), its shipped snapshot (verified before use), then a restore of its
@@ -995,7 +1008,7 @@ class SandboxManager:
         self._departed.pop(sandbox_id, None)  # back here (moved back, restored here)
         try:
             snap = await self.fetch_snapshot(sandbox_id, snap_id, prefix, on_progress=on_progress, tenant=tenant,
-                                             owner=owner)
+                                             owner=owner, sealing=sealing)
             await self.adopt_snapshot(sandbox_id, snap)
             return await self.rollback(sandbox_id, snap_id, token=token, disk_mb=disk_mb)
         except BaseException:

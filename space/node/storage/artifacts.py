@@ -102,6 +102,22 @@ class Sealing:
             raise InvalidRequest(f"a shred secret is {SHRED_BYTES} bytes")
 
 
+@dataclass(frozen=True)
+class SealingSpec:
+    """What the control plane sends with a request that ships or fetches a snapshot: the tenant's
+    key and the shred secret. A node binds it to its own data keys (:meth:`bind`)."""
+
+    ref: KeyRef
+    shred: bytes
+
+    def bind(self, keys: DataKeys | None) -> Sealing:
+        if keys is None:
+            raise KeyUnavailable(f"this node has no key providers configured, and the snapshot is sealed under "
+                                 f"{self.ref.provider} key {self.ref.key_id}", key=self.ref.key_id,
+                                 provider=self.ref.provider)
+        return Sealing(keys, self.ref, self.shred)
+
+
 def key_context(binding: dict[str, str]) -> dict[str, str]:
     """What a snapshot's data key is bound to at its KMS (the encryption context)."""
     return {"tenant": binding["tenant"], "sandbox": binding["sandbox_id"], "snapshot": binding["snapshot_id"]}
@@ -360,7 +376,7 @@ async def read_manifest(store: ObjectStore, prefix: str, *, keys: ManifestKeys,
 async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys: ManifestKeys,
                             binding: dict[str, str], manifest: Manifest | None = None,
                             names: Sequence[str] | None = None, on_progress: Progress | None = None,
-                            data_keys: DataKeys | None = None, shred: bytes | None = None) -> Manifest:
+                            sealing: Sealing | None = None) -> Manifest:
     """Download the snapshot's artifacts (all, or ``names``) to ``dest/<name>``, each verified
     against its manifest (read and verified here unless the caller passes the one it verified).
 
@@ -385,12 +401,14 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys
     snapshot_key: bytes | None = None
     wrapped = manifest.wrapped_key
     if wrapped is not None:
-        if data_keys is None or shred is None:
+        if sealing is None:
             raise KeyUnavailable(f"snapshot {prefix} is encrypted under {wrapped.ref.provider} key "
                                  f"{wrapped.ref.key_id}, and no key for it came with the request",
                                  key=wrapped.ref.key_id, provider=wrapped.ref.provider, snapshot=prefix)
         # Before any byte is fetched: a refused key fails the restore at once, nothing written.
-        snapshot_key = _snapshot_key(await data_keys.open(wrapped, key_context(manifest.binding)), shred)
+        # The key the manifest names (a tenant that changed keys since reads old snapshots under
+        # their own), opened with this request's data keys and shred secret.
+        snapshot_key = _snapshot_key(await sealing.keys.open(wrapped, key_context(manifest.binding)), sealing.shred)
     written: list[Path] = []
     try:
         for i, rec in enumerate(wanted, 1):

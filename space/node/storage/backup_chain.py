@@ -34,6 +34,7 @@ from space.node.storage import shipping
 from space.node.storage.artifacts import (
     Artifact,
     Manifest,
+    Sealing,
     download_snapshot,
     read_manifest,
     snapshot_binding,
@@ -81,7 +82,7 @@ async def throttled(stream: AsyncIterator[bytes], bytes_per_s: float | None) -> 
 
 async def upload_link(store: ObjectStore, base: str, pool: Pool, *, tenant: str, sandbox_id: str, chain: str,
                       seq: int, root: Path, parent: Path, meta: dict[str, Any], keys: ManifestKeys,
-                      bytes_per_s: float | None = None) -> Manifest:
+                      bytes_per_s: float | None = None, sealing: Sealing | None = None) -> Manifest:
     """Ship link ``seq`` of ``chain``: ``root`` (a read-only snapshot) sent against ``parent``
     (the previous link's snapshot, or the template for link 0), then its manifest."""
     prefix = link_prefix(base, chain, seq)
@@ -89,7 +90,7 @@ async def upload_link(store: ObjectStore, base: str, pool: Pool, *, tenant: str,
     art = Artifact(name=shipping.ROOTFS_ARTIFACT,
                    stream=lambda: throttled(shipping.send_delta(parent, root, pool=pool), bytes_per_s))
     return await upload_snapshot(store, prefix, [art], {**meta, "chain": chain, "seq": seq},
-                                 keys=keys, binding=binding)
+                                 keys=keys, binding=binding, sealing=sealing)
 
 
 async def read_link(store: ObjectStore, base: str, *, tenant: str, sandbox_id: str, chain: str, seq: int,
@@ -106,7 +107,7 @@ async def read_link(store: ObjectStore, base: str, *, tenant: str, sandbox_id: s
 
 async def receive_chain(store: ObjectStore, base: str, pool: Pool, work: Path, *, tenant: str, sandbox_id: str,
                         chain: str, upto: int, keys: ManifestKeys,
-                        first: Manifest | None = None) -> tuple[Path, Manifest]:
+                        first: Manifest | None = None, sealing: Sealing | None = None) -> tuple[Path, Manifest]:
     """Receive links ``0..upto`` of ``chain`` under ``work/<seq>/rootfs``, each verified before it
     is applied; returns the last one's root (read-only) and manifest. The template the chain
     starts from must already be on this node. The earlier links are removed as soon as the next
@@ -124,7 +125,8 @@ async def receive_chain(store: ObjectStore, base: str, pool: Pool, work: Path, *
                 manifest = await read_link(store, base, tenant=tenant, sandbox_id=sandbox_id, chain=chain, seq=seq,
                                            keys=keys)
             prefix = link_prefix(base, chain, seq)
-            await download_snapshot(store, prefix, incoming, keys=keys, binding=manifest.binding, manifest=manifest)
+            await download_snapshot(store, prefix, incoming, keys=keys, binding=manifest.binding, manifest=manifest,
+                                    sealing=sealing)
             dest = work / f"{seq:06d}"
             dest.mkdir()
             try:

@@ -26,7 +26,7 @@ import structlog
 from space import childenv
 from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
 from space.node.storage import snapshots
-from space.node.storage.artifacts import Artifact, Manifest, download_snapshot, upload_snapshot
+from space.node.storage.artifacts import Artifact, Manifest, Sealing, download_snapshot, upload_snapshot
 from space.node.storage.pool import Pool
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
@@ -176,6 +176,7 @@ async def upload(
     *,
     keys: ManifestKeys,
     binding: dict[str, str],
+    sealing: Sealing | None = None,
 ) -> dict[str, Any]:
     """Ship a snapshot: its files as a delta against the template, its memory image (full ones),
     then the manifest (the commit point), sealed for ``binding``."""
@@ -185,7 +186,7 @@ async def upload(
     for f in sorted(image.iterdir()) if snap.kind == "full" else []:
         arts.append(Artifact(name=f"checkpoint/{f.name}", path=f))
     manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": snap.public()},
-                                     keys=keys, binding=binding, on_progress=on_progress)
+                                     keys=keys, binding=binding, on_progress=on_progress, sealing=sealing)
     total = sum(a.size for a in manifest.artifacts)
     log.info("snapshot.uploaded", snapshot=snap.id, prefix=prefix, bytes=total)
     return {"prefix": prefix, "bytes": total,
@@ -203,6 +204,7 @@ async def download(
     keys: ManifestKeys,
     binding: dict[str, str],
     manifest: Manifest | None = None,
+    sealing: Sealing | None = None,
 ) -> snapshots.LocalSnapshot:
     """Bring a shipped snapshot into ``sandboxes/<sandbox_id>/snapshots/<snap_id>`` on this node.
 
@@ -220,7 +222,7 @@ async def download(
     await asyncio.to_thread(shutil.rmtree, incoming, True)
     try:
         manifest = await download_snapshot(store, prefix, incoming, keys=keys, binding=binding,
-                                           manifest=manifest, on_progress=on_progress)
+                                           manifest=manifest, on_progress=on_progress, sealing=sealing)
         raw = dict(manifest.meta.get("snapshot") or {})
         if raw.get("id") != snap_id:
             raise SnapshotCorrupt(f"snapshot {snap_id}: the manifest at {prefix} describes "
