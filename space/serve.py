@@ -128,6 +128,8 @@ class NodeProcess:
             argv += ["--socket-group", str(self.socket_group)]
         if self.manifest_key_file is not None:
             argv += ["--manifest-key-file", str(self.manifest_key_file), "--create-manifest-key"]
+        # The local keyring's root (tenants' keys without a KMS of their own): made on first start.
+        argv += ["--kek-file", str(s.data_dir / "kek.key"), "--create-kek"]
         url = s.resolved_object_store_url()
         secrets: dict[str, dict[str, str]] = {"object_store": s3_env(self.env)} if url.startswith("s3://") else {}
         if self.env.get(objauth.ENV_VAR, "").strip():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -195,6 +196,12 @@ def node_run(
         help="The deployment's manifest key (the same on every node; $SPACE_MANIFEST_KEY wins): object "
              "storage manifests are sealed and checked with it. Required with --object-store-url.")] = None,
     create_manifest_key: Annotated[bool, typer.Option("--create-manifest-key", hidden=True)] = False,
+    kek_file: Annotated[Path | None, typer.Option(
+        "--kek-file", envvar="SPACE_KEK_FILE",
+        help="The deployment's key-encryption root keys (the same on every node): the local keyring that "
+             "tenants' keys without a KMS of their own are derived from. Default <data-dir>/kek.key if present.")]
+    = None,
+    create_kek: Annotated[bool, typer.Option("--create-kek", hidden=True)] = False,
     fence_after: Annotated[float | None, typer.Option(
         "--fence-after", min=0.0, envvar="SPACE_FENCE_AFTER",
         help="Seconds without the control plane's heartbeat after which this node freezes its own "
@@ -246,6 +253,8 @@ def node_run(
             raise typer.BadParameter(e.message) from None
     # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
     os.environ.pop(objauth.ENV_VAR, None)
+    data_keys = _data_keys(kek_file or data_dir / "kek.key", create=create_kek,
+                           env=secrets.get("object_store") if secrets is not None else None)
     logs.configure(log_level)
     try:
         run(NodeSettings(
@@ -259,11 +268,31 @@ def node_run(
             egress_ceiling=_ceiling(egress_private),
             fence_after=(fence_after if fence_after is not None else 30.0 if listen is not None else 0.0) or None,
             object_store_env=secrets.get("object_store", {}) if secrets is not None else None,
-            manifest_keys=keys, sandbox_network=_sandbox_network(sandbox_network),
+            manifest_keys=keys, sandbox_network=_sandbox_network(sandbox_network), data_keys=data_keys,
         ))
     except JoinError as e:
         typer.echo(f"space node run: {e.message}", err=True)
         raise typer.Exit(2) from None
+
+
+def _data_keys(kek_file: Path, *, create: bool, env: dict[str, str] | None) -> Any:
+    """The node's key providers: the local keyring from ``kek_file`` (made first with ``create``:
+    space serve's first start), and AWS KMS (its credentials from ``env``, else the environment's
+    chain) when botocore is installed. Read here, as root: the root keys live in memory only."""
+    from space.errors import Unavailable
+    from space.kms import AWS_KMS, LOCAL, AwsKms, DataKeys, KeyProvider, LocalKeyring
+
+    providers: dict[str, KeyProvider] = {}
+    if create and not kek_file.exists():
+        LocalKeyring.create_file(kek_file)
+    if kek_file.exists():
+        try:
+            providers[LOCAL] = LocalKeyring.from_file(kek_file)
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"the key-encryption key file {kek_file}: {e}", param_hint="--kek-file") from None
+    with contextlib.suppress(Unavailable):  # no botocore: tenants' AWS KMS keys are refused, saying so
+        providers[AWS_KMS] = AwsKms(env={**os.environ, **(env or {})})
+    return DataKeys(providers)
 
 
 #: The largest secrets document a node agent reads (its supervisor's limit is lower).

@@ -17,6 +17,7 @@ import structlog
 import uvicorn
 
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
+from space.kms import DataKeys
 from space.node import leaving, membership
 from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
@@ -80,6 +81,8 @@ class NodeSettings:
     object_store_env: dict[str, str] | None = dataclasses.field(default=None, repr=False)
     #: The deployment's manifest keys (:mod:`space.objauth`): required with an object store.
     manifest_keys: ManifestKeys | None = None
+    #: The key providers snapshots' data keys are wrapped and opened with (:mod:`space.kms`).
+    data_keys: DataKeys | None = dataclasses.field(default=None, repr=False)
     #: Join the cluster on start and serve ``listen`` over mutual TLS (space.node.membership).
     join: JoinSettings | None = None
     #: Seconds of silence after which an event stream gets an SSE comment (``$SPACE_SSE_KEEPALIVE``).
@@ -233,6 +236,7 @@ async def build_node(settings: NodeSettings) -> Node:
         pool, templates, driver, guest_dir=ctx.guest, channel_dir=channel_dir_for(settings.data_dir),
         objects=objects, egress=egress, default_disk_mb=settings.sandbox_disk_mb,
     )
+    manager.data_keys = settings.data_keys
     await manager.recover()
     warm = WarmPool(manager, warm_pool_file(settings.data_dir), concurrency=settings.warm_concurrency)
     await warm.adopt()
