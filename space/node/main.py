@@ -352,6 +352,12 @@ async def serve_node(settings: NodeSettings) -> None:
         if helper_watch.done() and helper_watch.result():
             raise SystemExit(3)  # the supervisor restarts us, and we start a new helper
     finally:
+        # Stopping in order from here on: a further SIGTERM (a container runtime signals every
+        # process it finds, this one again among them) must not cut that short with its default action.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: nothing to guard
+                loop.add_signal_handler(sig, log.info, "node.signal_ignored")
         helper_watch.cancel()
         reserve.cancel()
         backups.cancel()

@@ -17,13 +17,10 @@ this file. Elsewhere (``make test`` on a machine without them) it is skipped, sa
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import secrets
 import shutil
 import subprocess
-import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +32,18 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import S3_CREDENTIALS, moto_bucket
-from tests.e2e.harness import REPO, SCRATCH, SPACE, free_port, loop_devices, node_teardown, run, wait_operation
+from tests.e2e.harness import (
+    LOUD_COUNTER,
+    REPO,
+    SCRATCH,
+    SPACE,
+    counter_numbers,
+    free_port,
+    loop_devices,
+    node_teardown,
+    run,
+    wait_operation,
+)
 from tests.store.conftest import reset_postgres
 from tests.waiting import wait_for
 
@@ -48,8 +56,6 @@ IMAGE_INPUTS = ("space", "pyproject.toml", "gateway-requirements.txt", "deploy/i
 #: podman's defaults exceed this host's limits, and crun refuses its hybrid cgroup layout.
 PODMAN = ["podman", "--runtime", "runc"]
 RUN = [*PODMAN, "run", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096"]
-#: A command whose output is its own count: a gap or a restart from 1 shows in the numbers.
-LOUD_COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.3; done"
 NODE_ID = "ctr-node"
 
 
@@ -288,29 +294,6 @@ def create(api: httpx.Client) -> str:
     return str(r.json()["sandbox"]["id"])
 
 
-def numbers(api: httpx.Client, sid: str, cid: str, at_least: int, timeout: float = 120) -> list[int]:
-    """What the counter printed from its first line, read until it printed ``at_least``; read
-    again from the start when the stream ends early (the node went away under it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = b""
-        try:
-            with api.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
-                            timeout=httpx.Timeout(timeout, read=10)) as r:
-                if r.status_code != 200:
-                    time.sleep(0.2)  # the node is not back yet: ask again (bounded by the deadline)
-                    continue
-                for line in r.iter_lines():
-                    if line.startswith("data:") and '"data"' in line:
-                        out += base64.b64decode(json.loads(line[5:])["data"])
-                        got = [int(x) for x in out.split()]
-                        if got and got[-1] >= at_least:
-                            return got
-        except httpx.HTTPError:
-            continue
-    raise AssertionError(f"the counter did not reach {at_least} in {timeout}s")
-
-
 def processes_of(instance: str) -> dict[str, int]:
     """The host pids of the instance's shim and sentry."""
     found: dict[str, int] = {}
@@ -354,7 +337,7 @@ def test_pause_resume_suspend_and_restore_through_the_containers(deployment: Con
         try:
             sh(api, sid, "head -c 1000000 /dev/urandom > /home/user/blob && sha256sum /home/user/blob > /home/user/sum")
             cid = api.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER}).json()["id"]
-            numbers(api, sid, cid, 3)
+            counter_numbers(api, sid, cid, 3)
             act(api, sid, "pause")
             assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
             act(api, sid, "resume")
@@ -367,7 +350,7 @@ def test_pause_resume_suspend_and_restore_through_the_containers(deployment: Con
             assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
             assert sh(api, sid, "sha256sum -c /home/user/sum").strip().endswith(b"OK")
             # The counter came back from memory: it counts on from where it was, not from 1.
-            got = numbers(api, sid, cid, 12)
+            got = counter_numbers(api, sid, cid, 12)
             assert got == list(range(1, len(got) + 1)), got
         finally:
             api.delete(f"/v1/sandboxes/{sid}")
@@ -386,7 +369,7 @@ def test_a_restarted_or_killed_node_container_leaves_every_sandbox_running_and_s
             assert all(set(p) == {"shim", "sentry"} for p in before.values()), before
             for how in ("restart", "kill"):
                 agent = c.container_pid("node")
-                reached = {sid: numbers(api, sid, counters[sid], 3)[-1] for sid in sids}
+                reached = {sid: counter_numbers(api, sid, counters[sid], 3)[-1] for sid in sids}
                 if how == "restart":  # a rollout: SIGTERM, then whatever is left in its cgroups goes
                     cmd = [[*PODMAN, "restart", "-t", "30", c.name("node")]]
                 else:  # a crash: SIGKILL
@@ -401,7 +384,7 @@ def test_a_restarted_or_killed_node_container_leaves_every_sandbox_running_and_s
                     assert (sb["state"], sb["instance_id"]) == ("running", instances[sid]), (how, sb)
                     # The same shim and the same sentry: nothing was started again.
                     assert processes_of(instances[sid]) == before[sid], (how, c.logs("node"))
-                    got = numbers(api, sid, counters[sid], reached[sid] + 5)
+                    got = counter_numbers(api, sid, counters[sid], reached[sid] + 5)
                     assert got == list(range(1, len(got) + 1)), (how, got)
                     assert sh(api, sid, "echo still here") == b"still here\n"
                     cmd_state: dict[str, Any] = api.get(f"/v1/sandboxes/{sid}/commands/{counters[sid]}").json()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -405,8 +407,6 @@ def read_events(c: httpx.Client, sandbox_id: str, cid: str, *, after: int | None
 
 def run(c: httpx.Client, sandbox_id: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
     """Start a command and collect (exit_code, stdout, stderr)."""
-    import base64
-
     r = c.post(f"/v1/sandboxes/{sandbox_id}/commands", json=body)
     assert r.status_code == 201, r.text
     events = read_events(c, sandbox_id, r.json()["id"])
@@ -461,3 +461,39 @@ def sh(api: httpx.Client, sid: str, script: str) -> str:
 def count(api: httpx.Client, sid: str) -> int:
     """What :data:`COUNTER` counted so far (0 before it started)."""
     return int(sh(api, sid, "cat /tmp/count 2>/dev/null || echo 0").strip() or 0)
+
+
+#: A process whose state lives only in its memory: it prints 1, 2, 3... twice a second. A move that
+#: kept it prints on from where it was; one that restarted it would start over (or lose it).
+LOUD_COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.5; done"
+
+
+def counter_numbers(c: httpx.Client, sid: str, cid: str, at_least: int, timeout: float = 60) -> list[int]:
+    """What the counter printed from its start, read until it printed ``at_least``. Like the SDK, it
+    reads again when the stream ends early (right after a move, a replica whose node rows are up to a
+    second old may still reach the old copy, whose streams end as it is removed) or the API answers
+    that the sandbox's node is unavailable (its agent starting again: the API's connection to it is
+    made anew)."""
+    deadline = time.monotonic() + timeout
+
+    def attempt() -> list[int] | None:
+        out = b""
+        try:
+            with c.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
+                          timeout=httpx.Timeout(timeout, read=10)) as r:
+                if r.status_code == 503:
+                    return None
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data:") and '"data"' in line:
+                        out += base64.b64decode(json.loads(line[5:])["data"])
+                        got = [int(x) for x in out.split()]
+                        if got and got[-1] >= at_least:
+                            return got
+                    if time.monotonic() > deadline:
+                        return None
+        except httpx.TransportError:
+            return None  # cut short (the old copy went): read again
+        return None
+
+    return wait_for(attempt, timeout, f"{sid}'s counter to reach {at_least}", interval=0.2)

@@ -37,7 +37,17 @@ from sqlalchemy import text
 
 from space.cluster.pki import ClusterCA
 from tests.e2e.cluster import Cluster, Proc, cluster
-from tests.e2e.harness import SPACE, create_sandbox, free_port, read_events, run, runtime_available, wait_operation
+from tests.e2e.harness import (
+    LOUD_COUNTER,
+    SPACE,
+    counter_numbers,
+    create_sandbox,
+    free_port,
+    read_events,
+    run,
+    runtime_available,
+    wait_operation,
+)
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.runtime, pytest.mark.postgres]
@@ -396,33 +406,16 @@ def test_e2bs_own_sdk_works_through_either_replica(deployment: Cluster, monkeypa
         s.kill()
 
 
-#: A process whose state lives only in its memory: it prints 1, 2, 3... twice a second. A move that
-#: kept it prints on from where it was; one that restarted it would start over (or lose it).
-LOUD_COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.5; done"
-
-
-def _numbers(c: httpx.Client, sid: str, cid: str, at_least: int, timeout: float = 60) -> list[int]:
-    """What the counter printed from its start, read until it printed ``at_least``. Like the SDK, it
-    reads again when the stream ends early: right after a move, a replica whose node rows are up to
-    a second old may still reach the old copy, whose streams end (``moved``) as it is removed."""
-    deadline = time.monotonic() + timeout
-    out = b""
-    while time.monotonic() < deadline:
-        out = b""
-        try:
-            with c.stream("GET", f"/v1/sandboxes/{sid}/commands/{cid}/events", params={"after": 0},
-                          timeout=httpx.Timeout(timeout, read=10)) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data:") and '"data"' in line:
-                        out += base64.b64decode(json.loads(line[5:])["data"])
-                        got = [int(x) for x in out.split()]
-                        if got and got[-1] >= at_least:
-                            return got
-                    assert time.monotonic() < deadline, f"{sid}'s counter did not reach {at_least}: {out[-200:]!r}"
-        except httpx.TransportError:
-            continue  # cut short (the old copy went): read again
-    raise AssertionError(f"{sid}'s counter did not reach {at_least} in {timeout:.0f} s: {out[-200:]!r}")
+def _create_on(c: Cluster, a: httpx.Client, node_id: str) -> str:
+    """A sandbox placed on ``node_id``: the other nodes cordoned while it is created."""
+    others = [n.node_id for n in c.nodes if n.node_id != node_id]
+    for other in others:
+        a.post(f"/v1/nodes/{other}/cordon")
+    try:
+        return create_sandbox(a)
+    finally:
+        for other in others:
+            a.post(f"/v1/nodes/{other}/uncordon")
 
 
 def _controller_stalled_at(c: Cluster, failpoint: str) -> Proc | None:
@@ -465,7 +458,7 @@ def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controlle
                 r = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER})
                 assert r.status_code == 201, r.text
                 cids[sid] = r.json()["id"]
-            before = {sid: _numbers(a, sid, cids[sid], 3)[-1] for sid in sids}
+            before = {sid: counter_numbers(a, sid, cids[sid], 3)[-1] for sid in sids}
             paused = sids[-1]
             assert wait_operation(a, a.post(f"/v1/sandboxes/{paused}/pause").json()["operation"]["id"])[
                 "status"] == "succeeded"
@@ -521,15 +514,15 @@ def test_a_drain_moves_every_sandbox_with_its_processes_and_survives_a_controlle
 
             # The counters count on from where they were: their memory came along.
             for sid in sids[:-1]:
-                got = _numbers(b, sid, cids[sid], before[sid] + 4)
+                got = counter_numbers(b, sid, cids[sid], before[sid] + 4)
                 assert got == list(range(1, len(got) + 1)), (sid, got)
             assert b.get(f"/v1/sandboxes/{paused}").json()["state"] == "paused"
             assert wait_operation(b, b.post(f"/v1/sandboxes/{paused}/resume").json()["operation"]["id"])[
                 "status"] == "succeeded"
-            got = _numbers(b, paused, cids[paused], before[paused] + 2)
+            got = counter_numbers(b, paused, cids[paused], before[paused] + 2)
             assert got == list(range(1, len(got) + 1)), got
 
-            stop_at[0] = _numbers(b, sids[0], cids[sids[0]], 1)[-1] + 2
+            stop_at[0] = counter_numbers(b, sids[0], cids[sids[0]], 1)[-1] + 2
             follower.join(timeout=120)
             assert not follower.is_alive(), "the SDK's stream did not reach the end counter"
             if failure:
@@ -564,17 +557,11 @@ def test_a_node_that_leaves_is_drained_while_its_leaving_waits(deployment: Clust
     c = deployment
     node = next(n for n in c.nodes if n.node_id == "node-c")
     with c.client(0) as a:
-        for other in ("node-a", "node-b"):
-            a.post(f"/v1/nodes/{other}/cordon")
-        try:
-            sid = create_sandbox(a)
-        finally:
-            for other in ("node-a", "node-b"):
-                a.post(f"/v1/nodes/{other}/uncordon")
+        sid = _create_on(c, a, "node-c")
         try:
             assert a.get(f"/v1/sandboxes/{sid}").json()["node_id"] == "node-c"
             cid = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER}).json()["id"]
-            before = _numbers(a, sid, cid, 2)[-1]
+            before = counter_numbers(a, sid, cid, 2)[-1]
             leave = subprocess.run([SPACE, "node", "leave", "--data-dir", str(node.data_dir), "--when", "always",
                                     "--timeout", "300"], capture_output=True, text=True, timeout=400)
             assert leave.returncode == 0 and "every sandbox moved away" in leave.stderr, leave.stderr
@@ -583,7 +570,7 @@ def test_a_node_that_leaves_is_drained_while_its_leaving_waits(deployment: Clust
             assert a.get("/v1/nodes/node-c").json()["cordoned"]
             moved = [e for e in a.get(f"/v1/sandboxes/{sid}/events").json()["events"] if e["kind"] == "moved"]
             assert len(moved) == 1 and moved[0]["data"]["from_node"] == "node-c" and moved[0]["data"]["drain"], moved
-            got = _numbers(a, sid, cid, before + 4)
+            got = counter_numbers(a, sid, cid, before + 4)
             assert got == list(range(1, len(got) + 1)), got
         finally:
             subprocess.run([SPACE, "node", "leave", "--data-dir", str(node.data_dir), "--cancel"],
@@ -599,17 +586,11 @@ def test_a_node_agent_restarted_in_place_keeps_its_sandboxes_running(deployment:
     c = deployment
     node = next(n for n in c.nodes if n.node_id == "node-b")
     with c.client(0) as a, c.client(1) as b:
-        for other in ("node-a", "node-c"):
-            a.post(f"/v1/nodes/{other}/cordon")
-        try:
-            sid = create_sandbox(a)
-        finally:
-            for other in ("node-a", "node-c"):
-                a.post(f"/v1/nodes/{other}/uncordon")
+        sid = _create_on(c, a, "node-b")
         try:
             assert a.get(f"/v1/sandboxes/{sid}").json()["node_id"] == "node-b"
             cid = a.post(f"/v1/sandboxes/{sid}/commands", json={"shell": LOUD_COUNTER}).json()["id"]
-            before = _numbers(a, sid, cid, 2)[-1]
+            before = counter_numbers(a, sid, cid, 2)[-1]
             node.proc.stop()
             node.proc.start()
 
@@ -624,7 +605,7 @@ def test_a_node_agent_restarted_in_place_keeps_its_sandboxes_running(deployment:
             wait_for(serving, 120, "node-b's new agent to serve", interval=0.2)
             assert '"node.join_skipped"' in node.proc.log_tail(100_000)  # its token is used up
             c.wait_nodes_ready()
-            got = _numbers(b, sid, cid, before + 4)
+            got = counter_numbers(b, sid, cid, before + 4)
             assert got == list(range(1, len(got) + 1)), got
             assert run(b, sid, {"shell": "echo still here"})[1] == b"still here\n"
         finally:

@@ -3,6 +3,7 @@ sandboxes in every e2e test), and how they find and remove what a runsc cut shor
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from space.errors import Conflict, InvalidPath, InvalidRequest, NotFound
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
 from space.node.helper.verbs_runtime import Runsc, runsc_processes
-from tests.waiting import await_for
+from tests.waiting import await_for, wait_for
 
 SID = "sbx-helper-test"
 IID = f"{SID}-abcde"
@@ -175,3 +176,32 @@ async def test_delete_removes_the_empty_cgroups_of_a_start_cut_short(priv: InPro
     leaves them, and runsc itself no longer knows the instance."""
     assert await priv.call("runtime.delete", {"instance": IID}) == {"deleted": False}
     assert _existing(empty_cgroups) == []
+
+
+@pytest.mark.parametrize("shim_pid", [0, 1, -5, 1 << 22, "7"])
+async def test_a_shim_pid_that_is_not_a_pid_is_refused(priv: InProcess, pipes: dict[str, int],
+                                                       shim_pid: Any) -> None:
+    with pytest.raises(InvalidRequest):
+        await priv.call("runtime.launch", launch(shim_pid=shim_pid), fds=pipes)
+
+
+def test_the_agent_cannot_have_the_helper_move_a_process_that_is_not_its_own_shim(
+        priv: InProcess, pipes: dict[str, int]) -> None:
+    """A compromised agent names a process to move out of its cgroups: another's child (here the
+    shell's own ``sleep``), or its own child that is not a shim. Refused before anything is done:
+    the process stays in its cgroups, and no runsc runs."""
+    shell = subprocess.Popen(["sh", "-c", "sleep 60; :", "-m", "space.runtime.shim"])
+    plain = subprocess.Popen(["sleep", "60"])
+    try:
+        grandchild = int(wait_for(
+            lambda: (Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split() or [None])[0],
+            10, "the shell's sleep"))
+        for victim, why in ((grandchild, "not the caller's child"), (plain.pid, "is not a shim")):
+            before = Path(f"/proc/{victim}/cgroup").read_text()
+            with pytest.raises(Conflict, match=why):
+                asyncio.run(priv.call("runtime.launch", launch(shim_pid=victim), fds=pipes))
+            assert Path(f"/proc/{victim}/cgroup").read_text() == before
+    finally:
+        for p in (shell, plain):
+            p.kill()
+            p.wait(timeout=10)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,30 +110,17 @@ async def test_opened_data_keys_live_for_their_ttl_only_and_no_provider_is_no_ke
         await DataKeys({LOCAL: LocalKeyring([_root()])}).open(WrappedKey(KeyRef(AWS_KMS, "k"), b"x"), CONTEXT)
 
 
-# -- AWS KMS on moto -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+# -- AWS KMS on moto (the S3 tests' server, which serves KMS too) ---------------------------------------
 
 
 @pytest.fixture
-def kms(moto_endpoint: str) -> tuple[AwsKms, Any]:
+def kms(s3_endpoint: str) -> tuple[AwsKms, Any]:
     import botocore.session
 
     admin = botocore.session.get_session().create_client(
-        "kms", region_name="us-east-1", endpoint_url=moto_endpoint,
+        "kms", region_name="us-east-1", endpoint_url=s3_endpoint,
         aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"], aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"])
-    return AwsKms(endpoint_url=moto_endpoint, env=AWS_ENV), admin
+    return AwsKms(endpoint_url=s3_endpoint, env=AWS_ENV), admin
 
 
 async def test_aws_kms_wraps_under_the_tenants_key_bound_to_the_context(kms: tuple[AwsKms, Any]) -> None:
