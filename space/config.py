@@ -63,6 +63,9 @@ class ServeSettings:
     #: Route E2B's host form ``<port>-<sandbox id>.<domain>`` to sandboxes (SDKs before 2.7 and
     #: ``Sandbox.get_host``; needs wildcard DNS to this server). None: header routing only.
     e2b_domain: str | None = None
+    #: Snapshots and backups encrypted under their tenant's key (issue BYOK); off only for nodes
+    #: that have no key providers yet (what was sealed before still needs its key).
+    encrypt_objects: bool = True
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve() / 'control' / 'space.db'}"

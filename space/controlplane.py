@@ -80,6 +80,8 @@ class ControlPlaneSettings:
     health_file: Path | None = None
     #: Seconds between continuous-backup looks for sandboxes whose policy does not say (None: off).
     backup_every: float | None = 45.0
+    #: Snapshots and backups encrypted under their tenant's key (nodes need --kek-file or a KMS).
+    encrypt_objects: bool = True
 
 
 @dataclasses.dataclass
@@ -119,7 +121,7 @@ async def open_control_plane(settings: ControlPlaneSettings, role: Literal["api"
         objects = ObjectStore.from_url(settings.object_store_url, env=env)
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
                                 objects=objects, wakeups=wakeups, backup_every=settings.backup_every,
-                                operator_tenant=settings.operator_tenant)
+                                operator_tenant=settings.operator_tenant, encrypt_objects=settings.encrypt_objects)
         controller.lifecycle.credentials = credentials
         yield ControlPlane(store, wakeups, nodes, controller, keys, credentials)
     finally:

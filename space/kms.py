@@ -45,6 +45,12 @@ from space.objcrypt import DATA_KEY_BYTES, new_data_key
 
 LOCAL, AWS_KMS = "local", "aws-kms"
 PROVIDERS = (LOCAL, AWS_KMS)
+#: What AWS KMS reads of an environment (a node's, or ``space serve``'s, passed to its agent on
+#: the secrets pipe): credentials, region, and an endpoint of its own (a KMS-compatible server).
+KMS_ENV = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+                     "AWS_DEFAULT_REGION", "SPACE_KMS_ENDPOINT"})
+#: The local keyring's root key file, the same on every node of a deployment (space keys generate).
+KEK_FILE = "kek.key"
 #: A key id: a local name, or an AWS key id, ARN or alias (they are at most 2048 characters).
 _KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_.+=@-]{0,2047}")
 #: A wrapped data key is a few hundred bytes (AWS KMS's CiphertextBlob is at most 6 KiB).
@@ -111,6 +117,10 @@ class KeyProvider(Protocol):
         blob is not one the key wrapped for this context."""
         ...
 
+    async def wrap(self, key_id: str, data_key: bytes, context: Mapping[str, str]) -> bytes:
+        """``data_key`` (one another key wrapped) wrapped under ``key_id``: a rotation's re-wrap."""
+        ...
+
 
 # -- local ---------------------------------------------------------------------------------------
 
@@ -153,9 +163,13 @@ class LocalKeyring:
         return canonical({"key_id": key_id, "context": dict(context)})
 
     async def generate(self, key_id: str, context: Mapping[str, str]) -> tuple[bytes, bytes]:
-        data_key, nonce = new_data_key(), os.urandom(12)
+        data_key = new_data_key()
+        return data_key, await self.wrap(key_id, data_key, context)
+
+    async def wrap(self, key_id: str, data_key: bytes, context: Mapping[str, str]) -> bytes:
+        nonce = os.urandom(12)
         sealed = self._kek(self._newest, key_id).encrypt(nonce, data_key, self._aad(key_id, context))
-        return data_key, _LOCAL_HEADER.pack(_LOCAL_VERSION, self._newest, nonce) + sealed
+        return _LOCAL_HEADER.pack(_LOCAL_VERSION, self._newest, nonce) + sealed
 
     async def unwrap(self, key_id: str, blob: bytes, context: Mapping[str, str]) -> bytes:
         if len(blob) < _LOCAL_HEADER.size or blob[0] != _LOCAL_VERSION:
@@ -236,6 +250,13 @@ class AwsKms:
             return bytes(r["Plaintext"])
         return await asyncio.to_thread(call)
 
+    async def wrap(self, key_id: str, data_key: bytes, context: Mapping[str, str]) -> bytes:
+        def call() -> bytes:
+            self._usable(key_id)
+            r = self._call("encrypt", key_id, KeyId=key_id, Plaintext=data_key, EncryptionContext=dict(context))
+            return bytes(r["CiphertextBlob"])
+        return await asyncio.to_thread(call)
+
 
 # -- the node's and control plane's view ---------------------------------------------------------
 
@@ -261,6 +282,14 @@ class DataKeys:
         if len(data_key) != DATA_KEY_BYTES or not 0 < len(blob) <= MAX_WRAPPED_BYTES:
             raise Unavailable(f"{ref.provider} returned a data key of {len(data_key)} bytes")
         return data_key, WrappedKey(ref, blob)
+
+    async def rewrap(self, wrapped: WrappedKey, ref: KeyRef, context: Mapping[str, str]) -> WrappedKey:
+        """The same data key, wrapped under ``ref`` instead (a rotation: nothing is re-encrypted)."""
+        data_key = await self.open(wrapped, context)
+        blob = await self._provider(ref).wrap(ref.key_id, data_key, context)
+        if not 0 < len(blob) <= MAX_WRAPPED_BYTES:
+            raise Unavailable(f"{ref.provider} returned a wrapped key of {len(blob)} bytes")
+        return WrappedKey(ref, blob)
 
     async def open(self, wrapped: WrappedKey, context: Mapping[str, str]) -> bytes:
         key = (wrapped.ref.provider, wrapped.ref.key_id, wrapped.blob, canonical(dict(context)))

@@ -51,6 +51,8 @@ _MAX_FRAME = 16 << 20
 _KDF_INFO = b"space-artifact:v1\0"
 #: Chunks at least this large are encrypted in a thread.
 _OFF_LOOP = 64 * 1024
+#: Chunks :func:`encrypt_stream` encrypts ahead of its consumer.
+_AHEAD = 4
 
 HEADER_BYTES = _HEADER.size
 
@@ -100,8 +102,8 @@ class Encryptor:
         self._header_sent = False
         self._done = False
 
-    def _seal(self, plaintext: bytes | bytearray, last: bool) -> bytes:
-        out = self._aead.encrypt(_NONCE.pack(self._index), bytes(plaintext), self._key.aad(self._index, last))
+    def _seal(self, plaintext: bytes | bytearray | memoryview, last: bool) -> bytes:
+        out = self._aead.encrypt(_NONCE.pack(self._index), plaintext, self._key.aad(self._index, last))
         self._index += 1
         return out
 
@@ -111,17 +113,42 @@ class Encryptor:
         self._header_sent = True
         return _HEADER.pack(MAGIC, VERSION, self._frame)
 
-    def update(self, data: bytes) -> bytes:
-        """The frames ``data`` completes. A full frame is held back until more follows: only the
-        end of the input says which frame is the last."""
+    def _complete(self, data: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
+        """The plaintext frames ``data`` completes (views into it where whole, else assembled);
+        a full frame is held back until more follows: only the end says which frame is last."""
         if self._done:
             raise ValueError("the artifact is finished")
-        self._pending += data
-        out = [self._header()]
-        while len(self._pending) > self._frame:
-            out.append(self._seal(self._pending[:self._frame], False))
-            del self._pending[:self._frame]
-        return b"".join(out)
+        out: list[bytes | bytearray | memoryview] = []
+        view = memoryview(data)
+        if self._pending:
+            take = view[:self._frame - len(self._pending)]
+            self._pending += take
+            view = view[len(take):]
+            if len(self._pending) == self._frame and len(view) > 0:
+                out.append(self._pending)
+                self._pending = bytearray()
+        if not self._pending:  # else ``data`` went into it whole
+            while len(view) > self._frame:
+                out.append(view[:self._frame])
+                view = view[self._frame:]
+            self._pending += view
+        return out
+
+    def update(self, data: bytes | bytearray | memoryview) -> bytearray:
+        """The artifact's bytes ``data`` completes, sealed into one buffer (one allocation, no
+        joining copy)."""
+        plain = self._complete(data)
+        header = self._header()
+        out = bytearray(len(header) + sum(len(p) for p in plain) + TAG * len(plain))
+        out[:len(header)] = header
+        at = len(header)
+        dest = memoryview(out)
+        for p in plain:
+            self._aead.encrypt_into(_NONCE.pack(self._index), p, self._key.aad(self._index, False),
+                                    dest[at:at + len(p) + TAG])
+            self._index += 1
+            at += len(p) + TAG
+        return out
 
     def finish(self) -> bytes:
         """The last frame (with what is left, possibly nothing)."""
@@ -146,35 +173,66 @@ class Decryptor:
     def _refuse(self, why: str) -> ObjectTampered:
         return ObjectTampered(f"{self._what} is not what was encrypted: {why}", reason="decryption", object=self._what)
 
-    def _open(self, sealed: bytes | bytearray, last: bool) -> bytes:
+    def _fail(self, last: bool) -> ObjectTampered:
+        where = "its last frame" if last else f"frame {self._index}"
+        return self._refuse(f"{where} does not authenticate (altered, moved, from another artifact, "
+                            "or the stream was cut short)")
+
+    def _open(self, sealed: bytes | bytearray | memoryview, last: bool) -> bytes:
         try:
-            out = self._aead.decrypt(_NONCE.pack(self._index), bytes(sealed), self._key.aad(self._index, last))
+            out = self._aead.decrypt(_NONCE.pack(self._index), sealed, self._key.aad(self._index, last))
         except InvalidTag:
-            where = "its last frame" if last else f"frame {self._index}"
-            raise self._refuse(f"{where} does not authenticate (altered, moved, from another artifact, "
-                               "or the stream was cut short)") from None
+            raise self._fail(last) from None
         self._index += 1
         return out
 
-    def update(self, data: bytes) -> bytes:
+    def _complete(self, data: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
+        """The sealed frames ``data`` completes (views into it where whole, else assembled); a
+        whole frame with more behind it is not the last one, so one is held back until more comes."""
         if self._done:
             raise self._refuse("bytes after its last frame")
-        self._buf += data
+        view = memoryview(data)
         if self._frame is None:
+            self._buf += view
             if len(self._buf) < HEADER_BYTES:
-                return b""
+                return []
             magic, version, frame = _HEADER.unpack_from(self._buf)
             if magic != MAGIC or version != VERSION or not 0 < frame <= _MAX_FRAME:
                 raise self._refuse("no SPACE encryption header")
             self._frame = frame
-            del self._buf[:HEADER_BYTES]
+            view = memoryview(bytes(self._buf[HEADER_BYTES:]))
+            self._buf = bytearray()
         sealed = self._frame + TAG
-        out = []
-        # A whole frame with more behind it is not the last one.
-        while len(self._buf) > sealed:
-            out.append(self._open(self._buf[:sealed], False))
-            del self._buf[:sealed]
-        return b"".join(out)
+        out: list[bytes | bytearray | memoryview] = []
+        if self._buf:
+            take = view[:sealed - len(self._buf)]
+            self._buf += take
+            view = view[len(take):]
+            if len(self._buf) == sealed and len(view) > 0:
+                out.append(self._buf)
+                self._buf = bytearray()
+        if not self._buf:  # else ``data`` went into it whole
+            while len(view) > sealed:
+                out.append(view[:sealed])
+                view = view[sealed:]
+            self._buf += view
+        return out
+
+    def update(self, data: bytes | bytearray | memoryview) -> bytearray:
+        """The plaintext of the frames ``data`` completes, in one buffer, each frame's tag checked
+        before any of it is returned."""
+        frames = self._complete(data)
+        out = bytearray(sum(len(f) - TAG for f in frames))
+        dest, at = memoryview(out), 0
+        for f in frames:
+            try:
+                self._aead.decrypt_into(_NONCE.pack(self._index), f, self._key.aad(self._index, False),
+                                        dest[at:at + len(f) - TAG])
+            except InvalidTag:
+                raise self._fail(False) from None
+            self._index += 1
+            at += len(f) - TAG
+        return out
 
     def finish(self) -> bytes:
         """The last frame's plaintext; ObjectTampered if the artifact is cut short."""
@@ -188,12 +246,38 @@ class Decryptor:
         return self._open(self._buf, True)
 
 
-async def encrypt_stream(key: ArtifactKey, chunks: AsyncIterator[bytes], frame: int = FRAME) -> AsyncIterator[bytes]:
-    """The artifact's bytes of the plaintext ``chunks``."""
+async def encrypt_stream(key: ArtifactKey, chunks: AsyncIterator[bytes],
+                         frame: int = FRAME) -> AsyncIterator[bytes | bytearray]:
+    """The artifact's bytes of the plaintext ``chunks``, encrypted up to :data:`_AHEAD` chunks
+    ahead of the consumer: on two cores the encryption of one chunk overlaps the hashing and
+    upload of the one before. An error of ``chunks`` comes out unchanged; ``chunks`` is closed
+    however the stream ends."""
     enc = Encryptor(key, frame)
-    async for chunk in chunks:
-        # A large chunk is encrypted off the event loop (a frame's AES-GCM is ~0.1 ms).
-        out = await asyncio.to_thread(enc.update, chunk) if len(chunk) >= _OFF_LOOP else enc.update(chunk)
-        if out:
-            yield out
-    yield enc.finish()
+    queue: asyncio.Queue[bytes | bytearray | Exception | None] = asyncio.Queue(_AHEAD)
+
+    async def produce() -> None:
+        try:
+            async for chunk in chunks:
+                # A large chunk is encrypted off the event loop, in one piece: a consumer's work
+                # per piece (a hash, a hop to a thread) is then per chunk, as without encryption.
+                out = await asyncio.to_thread(enc.update, chunk) if len(chunk) >= _OFF_LOOP else enc.update(chunk)
+                await queue.put(out)
+            await queue.put(enc.finish())
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            closing = getattr(chunks, "aclose", None)
+            if closing is not None:
+                await closing()
+
+    producer = asyncio.create_task(produce())
+    try:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            if item:
+                yield item
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)

@@ -101,7 +101,7 @@ atexit.register(_let_tokio_threads_settle)
 class Transform(Protocol):
     """What a download's bytes pass through on their way to the file (a decryptor)."""
 
-    def update(self, data: bytes) -> bytes: ...
+    def update(self, data: bytes) -> bytes | bytearray: ...
 
     def finish(self) -> bytes: ...
 
@@ -257,7 +257,7 @@ class ObjectStore:
 
     # ---- streaming ------------------------------------------------------------------------------
 
-    async def put_stream(self, key: str, chunks: AsyncIterator[bytes]) -> PutResult:
+    async def put_stream(self, key: str, chunks: AsyncIterator[bytes | bytearray]) -> PutResult:
         """Upload what ``chunks`` yields as one object, holding at most a few parts in memory.
 
         The object appears only once the whole stream was uploaded; if ``chunks`` raises, the
@@ -269,7 +269,7 @@ class ObjectStore:
         size = 0
         source_error: BaseException | None = None
 
-        async def hashed() -> AsyncIterator[bytes]:
+        async def hashed() -> AsyncIterator[bytes | bytearray]:
             nonlocal size, source_error
             try:
                 async for chunk in chunks:

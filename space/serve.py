@@ -41,6 +41,7 @@ from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling, parse_sandbox_network
 from space.errors import NotFound, SpaceError, Unavailable
 from space.httpserver import BoundedHttp
+from space.kms import KMS_ENV
 from space.node.api.client import NodeClient
 from space.node.main import channel_dir_for
 from space.objstore import ObjectStore, s3_env
@@ -132,6 +133,9 @@ class NodeProcess:
         argv += ["--kek-file", str(s.data_dir / "kek.key"), "--create-kek"]
         url = s.resolved_object_store_url()
         secrets: dict[str, dict[str, str]] = {"object_store": s3_env(self.env)} if url.startswith("s3://") else {}
+        kms = {k: v for k, v in self.env.items() if k in KMS_ENV}
+        if kms:
+            secrets["kms"] = kms  # tenants' AWS KMS keys: the agent's credentials for them
         if self.env.get(objauth.ENV_VAR, "").strip():
             # The deployment's key, given to this server: it reaches the agent as its S3
             # credentials do, on the secrets pipe, never in an environment.
@@ -304,7 +308,8 @@ async def serve(settings: ServeSettings) -> None:
         wakeups = store.wakeups()  # on PostgreSQL, other control-plane processes may share it
         await wakeups.start()
         controller = Controller(store, nodes, lease_seconds=settings.lease_seconds, template_specs=TEMPLATE_SPECS,
-                                objects=objects, wakeups=wakeups, operator_tenant=settings.operator_tenant)
+                                objects=objects, wakeups=wakeups, operator_tenant=settings.operator_tenant,
+                                encrypt_objects=settings.encrypt_objects)
         await controller.sync_templates()
         credentials = build_manager(store, data, env=env)
         controller.lifecycle.credentials = credentials

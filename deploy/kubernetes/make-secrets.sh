@@ -34,7 +34,7 @@ host_args=()
 for h in "${api_hosts[@]}"; do host_args+=(--host "$h"); done
 "$space" keys api-cert "$keys/k" "${host_args[@]}" >/dev/null
 cp "$keys"/k/{secret.key,master.key,cluster-ca.pem,cluster-ca.key,api.pem,api.key} "$out/control/"
-cp "$keys"/k/{cluster-ca.pem,manifest.key} "$keys"/k/egress-ca/{mitmproxy-ca.pem,mitmproxy-ca-cert.pem} "$out/node/"
+cp "$keys"/k/{cluster-ca.pem,manifest.key,kek.key} "$keys"/k/egress-ca/{mitmproxy-ca.pem,mitmproxy-ca-cert.pem} "$out/node/"
 random() { python3 -c 'import secrets; print(secrets.token_urlsafe(32), end="")'; }
 random > "$out/postgres/password"
 if [ -z "$database_url" ]; then

@@ -23,6 +23,7 @@ from space.api import (
     secrets,
     snapshots,
     templates,
+    tenant_keys,
     tenants,
 )
 from space.api.auditing import AuditMiddleware
@@ -58,7 +59,7 @@ def create_app(state: AppState) -> FastAPI:
     for module in (sandboxes, lifecycle, snapshots, commands, files, templates, apikeys, nodes, pools,
                    secrets):
         app.include_router(module.router)
-    for module in (tenants, audit, egress, ports):
+    for module in (tenants, tenant_keys, audit, egress, ports):
         app.include_router(module.router)
 
     # Outermost: E2B's planes (E2b-Sandbox-Id traffic, E2B's control paths) never reach SPACE's routes.

@@ -77,6 +77,7 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("PUT", "/v1/tenants/{tenant}/egress"): "egress.set",
     ("PUT", "/v1/tenants/{tenant}/egress-ceiling"): "egress.ceiling_set",
     ("PUT", "/v1/tenants/{tenant}/backup"): "backup.set",
+    ("PUT", "/v1/tenants/{tenant}/key"): "key.set",
     ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}"): "port.request",
     ("POST", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",
     ("PUT", "/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}"): "port.request",

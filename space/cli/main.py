@@ -7,7 +7,20 @@ from typing import Annotated
 
 import typer
 
-from space.cli import apikeys, audit, files, nodes, policy, pools, quotas, sandbox, secrets, snapshots, templates
+from space.cli import (
+    apikeys,
+    audit,
+    files,
+    nodes,
+    policy,
+    pools,
+    quotas,
+    sandbox,
+    secrets,
+    snapshots,
+    templates,
+    tenant,
+)
 from space.cli import exec as exec_
 from space.cli.context import Settings, SpaceGroup
 
@@ -40,6 +53,7 @@ app.add_typer(apikeys.app, name="apikey")
 app.add_typer(pools.app, name="pool")
 app.add_typer(nodes.app, name="node")
 app.add_typer(quotas.app, name="quota")
+app.add_typer(tenant.app, name="tenant")
 app.add_typer(secrets.app, name="secret")
 app.add_typer(policy.app, name="policy")
 exec_.register(app)

@@ -68,6 +68,10 @@ def serve(
         help="Also route E2B host names <port>-<sandbox id>.<domain> to sandboxes (needs wildcard DNS).")]
     = None,
     sandbox_network: SandboxNetwork = DEFAULT_SANDBOX_NETWORK,
+    object_encryption: Annotated[bool, typer.Option(
+        "--object-encryption/--no-object-encryption", envvar="SPACE_OBJECT_ENCRYPTION",
+        help="Encrypt snapshots and backups in object storage under their tenant's key (nodes need "
+             "--kek-file or a KMS). Off only while nodes have no key providers.")] = True,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the whole platform (API, controller, one node) on embedded defaults."""
@@ -85,6 +89,7 @@ def serve(
         bootstrap_templates=() if no_bootstrap else ("base",), warm_pool=warm_pool,
         operator_tenant=operator_tenant, network=network, user=user, e2b_domain=e2b_domain,
         egress_ceiling=ceiling, sandbox_network=_sandbox_network(sandbox_network),
+        encrypt_objects=object_encryption,
     ))
 
 
@@ -217,6 +222,7 @@ def node_run(
     import socket as socketlib
 
     from space import logs, objauth
+    from space.kms import KEK_FILE
     from space.node.main import NodeSettings, run
     from space.node.membership import JoinError, JoinSettings, check_control_url
 
@@ -253,8 +259,9 @@ def node_run(
             raise typer.BadParameter(e.message) from None
     # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
     os.environ.pop(objauth.ENV_VAR, None)
-    data_keys = _data_keys(kek_file or data_dir / "kek.key", create=create_kek,
-                           env=secrets.get("object_store") if secrets is not None else None)
+    data_keys = _data_keys(kek_file or data_dir / KEK_FILE, create=create_kek,
+                           env=None if secrets is None else {**secrets.get("object_store", {}),
+                                                             **secrets.get("kms", {})})
     logs.configure(log_level)
     try:
         run(NodeSettings(
@@ -539,6 +546,10 @@ def controller(
     health_file: Annotated[Path | None, typer.Option(
         "--health-file", envvar="SPACE_HEALTH_FILE",
         help="Touch this file every few seconds while running (a liveness probe checks its age).")] = None,
+    object_encryption: Annotated[bool, typer.Option(
+        "--object-encryption/--no-object-encryption", envvar="SPACE_OBJECT_ENCRYPTION",
+        help="Encrypt snapshots and backups in object storage under their tenant's key (nodes need "
+             "--kek-file or a KMS). Off only while nodes have no key providers.")] = True,
     log_level: LogLevel = "info",
 ) -> None:
     """Run one controller (run several: they share the work, one leads)."""
@@ -547,7 +558,8 @@ def controller(
     logs.configure(log_level)
     controlplane.run("controller", controlplane.ControlPlaneSettings(
         database_url=_database_url(database_url, database_url_file), object_store_url=object_store_url,
-        keys_dir=keys_dir, lease_seconds=lease_seconds, backup_every=backup_every or None, health_file=health_file))
+        keys_dir=keys_dir, lease_seconds=lease_seconds, backup_every=backup_every or None, health_file=health_file,
+        encrypt_objects=object_encryption))
 
 
 db_app = typer.Typer(help="The shared database.", no_args_is_help=True)
@@ -584,10 +596,12 @@ keys_app = typer.Typer(help="The deployment's shared keys.", no_args_is_help=Tru
 @keys_app.command("generate")
 def keys_generate(directory: Annotated[Path, typer.Argument(help="Where to write them (made 0700).")]) -> None:
     """Make a deployment's shared keys once: the control plane's (signing, credential master, cluster
-    CA) and the nodes' (egress CA in egress-ca/, manifest key). Refuses to replace any."""
+    CA) and the nodes' (egress CA in egress-ca/, manifest key, the local keyring's root key). Refuses
+    to replace any."""
     from space import objauth
     from space.cluster import keys
     from space.gateway.ca import ensure_ca
+    from space.kms import KEK_FILE, LocalKeyring
 
     try:
         written = keys.generate(directory)
@@ -596,12 +610,15 @@ def keys_generate(directory: Annotated[Path, typer.Argument(help="Where to write
     if not (directory / objauth.KEY_FILE).exists():
         objauth.create_key_file(directory / objauth.KEY_FILE)
         written.append(directory / objauth.KEY_FILE)
+    if not (directory / KEK_FILE).exists():
+        LocalKeyring.create_file(directory / KEK_FILE)
+        written.append(directory / KEK_FILE)
     cert, key = ensure_ca(directory / "egress-ca")
     for path in [*written, cert, key]:
         typer.echo(str(path))
     typer.echo("control plane: give every api and controller replica "
                f"{', '.join(s.file for s in keys.ALL)} (--keys-dir); nodes: egress-ca/ (--egress-ca-dir) and "
-               f"{objauth.KEY_FILE} (--manifest-key-file)", err=True)
+               f"{objauth.KEY_FILE} (--manifest-key-file), {KEK_FILE} (--kek-file)", err=True)
 
 
 @keys_app.command("api-cert")

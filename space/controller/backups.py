@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from space import retention
+from space.controller.sealing import Sealer
 from space.errors import SpaceError
 from space.lifecycle import State
 from space.node.api.client import NodeClient
@@ -67,6 +68,8 @@ class BackupSync:
         #: The deployment's default interval (None: sandboxes are backed up only if their policy says).
         self.every = every
         self.chain_links = chain_links
+        #: How links are encrypted (the controller shares its own with the lifecycle operations).
+        self.sealer = Sealer(store)
 
     def resolve(self, sb: Sandbox, tenant_every: float | None) -> float | None:
         """The sandbox's interval: its own policy's, else its tenant's (``tenant_every``; 0: off),
@@ -93,18 +96,27 @@ class BackupSync:
             return
         rows = await self.store.list_sandboxes(states=[State.RUNNING.value, State.PAUSED.value], node_id=node_id)
         tenants = await self.store.tenant_backup_every(sb.tenant for sb in rows)
+        keys: dict[str, dict[str, str] | None] = {}
         for sb in rows:
             every = self.resolve(sb, tenants.get(sb.tenant))
             rep = reported.get(sb.id)
-            if every is not None and (not isinstance(rep, dict) or rep.get("every") != every
-                                      or rep.get("prefix") != backup_prefix(sb)):
+            if every is not None and sb.tenant not in keys:
+                keys[sb.tenant] = (await self.sealer.key(sb.tenant)).to_json() if self.sealer.enabled else None
+            stale = every is not None and (not isinstance(rep, dict) or rep.get("every") != every
+                                           or rep.get("prefix") != backup_prefix(sb))
+            # A new key for the tenant (or a node from before keys): new links under it, and what
+            # the node reports of its chain still counts.
+            rekey = every is not None and not stale and isinstance(rep, dict) and rep.get("key") != keys[sb.tenant]
+            if stale or rekey:
                 try:
                     await node.call("PUT", f"/v1/sandboxes/{sb.id}/backup", timeout=10,
                                     json_body={"tenant": sb.tenant, "prefix": backup_prefix(sb), "every": every,
-                                               "chain_links": self.chain_links})
+                                               "chain_links": self.chain_links,
+                                               "sealing": await self.sealer.for_sandbox(sb)})
                 except SpaceError as exc:  # the next heartbeat tries again
                     log.warning("backup.configure_failed", sandbox=sb.id, node=node_id, error=exc.message[:200])
-                continue
+                if stale:
+                    continue
             if isinstance(rep, dict):
                 await self.record(sb, node_id, rep)
                 if every is None:

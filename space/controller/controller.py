@@ -27,11 +27,14 @@ from space.controller.moves import Moves, start_drain
 from space.controller.node_loss import NodeLoss, node_lease
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
+from space.controller.rotation import KeyRotation
+from space.controller.sealing import Sealer
 from space.controller.template_ops import TemplateOps
 from space.errors import (
     Conflict,
     Internal,
     InvalidState,
+    KeyUnavailable,
     LeaseLost,
     NotFound,
     ObjectTampered,
@@ -99,6 +102,7 @@ class Controller:
         wakeups: LocalWakeups | None = None,
         backup_every: float | None = None,
         operator_tenant: str = "default",
+        encrypt_objects: bool = True,
     ) -> None:
         self.store = store
         #: The tenant of the operations the control plane starts on its own (a leaving node's drain).
@@ -120,6 +124,8 @@ class Controller:
         #: Per node, the follow-up of its last heartbeat still running (:meth:`_follow_up`).
         self._following: dict[str, asyncio.Task[None]] = {}
         self.lifecycle.backups = self.backups
+        #: Snapshots and backups sealed under their tenant's key (``encrypt_objects``): one sealer.
+        self.lifecycle.sealer = self.backups.sealer = Sealer(store, enabled=encrypt_objects)
         self.policies = Policies(store, nodes, self.lifecycle)
         self.leadership = Leadership(store, self.owner, self._lead, lease_seconds=leader_lease_seconds)
         self.template_specs = template_specs or {}
@@ -141,6 +147,7 @@ class Controller:
             **self.lifecycle.handlers(),
             **self.moves.handlers(),
             **TemplateOps(self).handlers(),
+            **KeyRotation(store, nodes).handlers(),
         }
         self._failure_handlers: dict[str, Callable[[Operation, SpaceError], Awaitable[None]]] = \
             self.lifecycle.failure_handlers() | self.moves.failure_handlers() | TemplateOps(self).failure_handlers()
@@ -369,6 +376,11 @@ class Controller:
                 await self.lifecycle.tampered(op, exc)
             except SpaceError as err:
                 log.warning("operation.tamper_record_failed", op=op.id, error=str(err))
+        if isinstance(exc, KeyUnavailable):
+            try:
+                await self.lifecycle.key_refused(op, exc)
+            except SpaceError as err:
+                log.warning("operation.key_event_failed", op=op.id, error=str(err))
         special = self._failure_handlers.get(op.kind)
         if special is not None:
             try:

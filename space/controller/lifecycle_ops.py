@@ -17,6 +17,8 @@ import structlog
 
 from space.controller.egress import egress_config
 from space.controller.nodes import NodeRegistry
+from space.controller.prefixes import object_prefix, retained_prefix, sandbox_prefix
+from space.controller.sealing import Sealer
 from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, SnapshotCorrupt, SpaceError, Unavailable
 from space.lifecycle import State
 from space.node.api.client import NodeClient
@@ -36,24 +38,13 @@ LONG = 3600.0
 FORK_PARALLEL = 4
 
 
-def object_prefix(sb: Sandbox, snapshot_id: str) -> str:
-    return f"tenants/{sb.tenant}/sandboxes/{sb.id}/snapshots/{snapshot_id}"
-
-
-def sandbox_prefix(sb: Sandbox) -> str:
-    return f"tenants/{sb.tenant}/sandboxes/{sb.id}/"
-
-
-def retained_prefix(snap: Snapshot) -> str:
-    """Outside every sandbox's prefix: deleting its sandbox's objects leaves it."""
-    return f"tenants/{snap.tenant}/snapshots/{snap.id}"
-
-
 class LifecycleOps:
     def __init__(self, store: Store, nodes: NodeRegistry, objects: ObjectStore | None) -> None:
         self.store = store
         self.nodes = nodes
         self.objects = objects
+        #: What every request that ships or fetches a snapshot says of its encryption.
+        self.sealer = Sealer(store)
         #: Resolves the secrets a sandbox's gateway entry carries (None: no secrets configured).
         self.credentials: CredentialManager | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -135,7 +126,8 @@ class LifecycleOps:
             key = object_prefix(sb, snap.id)  # the memory half of the continuous backup
         if key is not None:
             res = await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{snap.id}/upload",
-                                  json_body={"prefix": key, "tenant": snap.tenant}, timeout=LONG)
+                                  json_body={"prefix": key, "tenant": snap.tenant,
+                                             "sealing": await self.sealer.for_snapshot(snap, key)}, timeout=LONG)
             fields["object_key"] = key
             fields["meta"].update(uploaded_bytes=res.get("bytes"))
         snap = await self.store.update_snapshot(snap.id, status="ready", restorable=True, node_id=sb.node_id,
@@ -211,6 +203,10 @@ class LifecycleOps:
             with contextlib.suppress(NotFound):
                 node = await self.nodes.client(snap.node_id)
                 await node.call("DELETE", f"/v1/sandboxes/{snap.sandbox_id}/snapshots/{snap.id}")
+        if snap.object_key is not None and snap.object_key == retained_prefix(snap):
+            # Its keys go first: whatever of it survives below (a failure, a copy of the bucket)
+            # cannot be decrypted any more.
+            await self.store.destroy_shred(snapshot_id=snap.id)
         if snap.object_key is not None and self.objects is not None:
             await self.objects.delete_prefix(snap.object_key + "/")
         await self.store.delete_snapshot_row(snap.id)
@@ -228,7 +224,8 @@ class LifecycleOps:
         prefix = object_prefix(sb, snap_id)
         res = await node.call("POST", f"/v1/sandboxes/{sb.id}/suspend",
                               json_body={"snapshot": snap_id, "prefix": prefix, "tenant": sb.tenant,
-                                         "kind": "full" if op.request.get("memory", True) else "disk"},
+                                         "kind": "full" if op.request.get("memory", True) else "disk",
+                                         "sealing": await self.sealer.for_sandbox(sb)},
                               timeout=LONG)
         # Restorable only now: every artifact and the manifest are in object storage.
         await self.store.update_snapshot(snap_id, status="ready", restorable=True, object_key=prefix,
@@ -265,7 +262,8 @@ class LifecycleOps:
             if other.origin == "manual" and other.status == "ready":
                 key = object_prefix(sb, other.id)
                 await node.call("POST", f"/v1/sandboxes/{sb.id}/snapshots/{other.id}/upload",
-                                json_body={"prefix": key, "tenant": other.tenant}, timeout=LONG)
+                                json_body={"prefix": key, "tenant": other.tenant,
+                                           "sealing": await self.sealer.for_snapshot(other, key)}, timeout=LONG)
                 await self.store.update_snapshot(other.id, object_key=key, node_id=None)
             else:
                 await self.store.update_snapshot(other.id, status="deleted", restorable=False, node_id=None,
@@ -317,7 +315,8 @@ class LifecycleOps:
         info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore",
                                json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
                                           "disk_mb": sb.disk_mb, "tenant": snap.tenant, "source": snap.sandbox_id,
-                                          "egress": await self.egress(sb)},
+                                          "egress": await self.egress(sb),
+                                          "sealing": await self.sealer.for_snapshot(snap)},
                                timeout=LONG)
         await self.store.update_snapshot(snap.id, node_id=node.node_id)
         sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.RESTORING],
@@ -362,7 +361,8 @@ class LifecycleOps:
             "POST", f"/v1/sandboxes/{sb.id}/rollback",
             json_body={"snapshot": snap.id, "source": snap.sandbox_id, "token": op.id,
                        "prefix": snap.object_key if remote else None, "disk_mb": sb.disk_mb, "tenant": snap.tenant,
-                       "egress": await self.egress(sb) if remote else None}, timeout=LONG)
+                       "egress": await self.egress(sb) if remote else None,
+                       "sealing": await self.sealer.for_snapshot(snap) if remote else None}, timeout=LONG)
         if remote:
             await self.store.update_snapshot(snap.id, node_id=sb.node_id)  # now on this node too
         return result
@@ -383,14 +383,28 @@ class LifecycleOps:
         await self.store.set_sandbox_state(sb.id, State.FAILED, expect=[State.RESTORING],
                                            error_code=exc.code, error_message=exc.message)
 
+    def _sandboxes_of(self, op: Operation) -> list[str]:
+        if op.kind == "sandbox.fork":
+            return [str(s) for s in op.request.get("sandbox_ids") or []]
+        return [op.target] if op.kind.startswith("sandbox.") else []
+
+    async def key_refused(self, op: Operation, exc: SpaceError) -> None:
+        """A tenant's key refused (:class:`KeyUnavailable`): an event naming it on every sandbox the
+        operation was for. Nothing was restored and no other key was tried."""
+        key, provider = str(exc.details.get("key") or ""), str(exc.details.get("provider") or "")
+        for sid in self._sandboxes_of(op):
+            with contextlib.suppress(NotFound):
+                sb = await self.store.get_sandbox(sid)
+                await self.event(sb, "key_unavailable", f"{provider} key {key} refused: {exc.message}",
+                                 key=key, provider=provider, operation=op.id, kind=op.kind)
+        log.warning("kms.key_unavailable", key=key, provider=provider, operation=op.id, kind=op.kind)
+
     async def tampered(self, op: Operation, exc: SpaceError) -> None:
         """Object storage held something this deployment did not write (:class:`ObjectTampered`):
         an event on every sandbox the operation was for, and an audit record for the operator."""
         key = str(exc.details.get("key") or "")
         reason = str(exc.details.get("reason") or "")
-        sandboxes = [op.target] if op.kind.startswith("sandbox.") else []
-        if op.kind == "sandbox.fork":
-            sandboxes = [str(s) for s in op.request.get("sandbox_ids") or []]
+        sandboxes = self._sandboxes_of(op)
         for sid in sandboxes:
             with contextlib.suppress(NotFound):
                 sb = await self.store.get_sandbox(sid)
@@ -492,7 +506,8 @@ class LifecycleOps:
             info = await node.call("POST", f"/v1/sandboxes/{fid}/restore",
                                    json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
                                               "disk_mb": f.disk_mb, "tenant": snap.tenant, "source": snap.sandbox_id,
-                                              "egress": await self.egress(f)},
+                                              "egress": await self.egress(f),
+                                              "sealing": await self.sealer.for_snapshot(snap)},
                                    timeout=LONG)
         try:
             f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
@@ -545,7 +560,9 @@ class LifecycleOps:
     async def forget_artifacts(self, sb: Sandbox) -> None:
         """A deleted sandbox's snapshots go with it (its forks are independent copies by then),
         except the retained ones: their uploaded copy stays, only the node's (gone with the
-        sandbox's directory) is forgotten."""
+        sandbox's directory) is forgotten. The sandbox's shred secret is destroyed first: from then
+        on nothing it stored (snapshots, backups) can be decrypted, whatever copy of it survives."""
+        await self.store.destroy_shred(sandbox_id=sb.id)
         for snap in await self.store.list_snapshots(sandbox_id=sb.id, statuses=["creating", "ready", "failed"]):
             if snap.retain and snap.status != "failed":
                 if snap.node_id is not None:
@@ -553,8 +570,10 @@ class LifecycleOps:
                 continue
             if await self.store.snapshot_in_use(snap.id):
                 continue
-            if snap.retain and self.objects is not None:
-                await self.objects.delete_prefix(retained_prefix(snap) + "/")  # what a failed upload left
+            if snap.retain:
+                await self.store.destroy_shred(snapshot_id=snap.id)
+                if self.objects is not None:
+                    await self.objects.delete_prefix(retained_prefix(snap) + "/")  # what a failed upload left
             await self.store.delete_snapshot_row(snap.id)
         if self.objects is not None:
             await self.objects.delete_prefix(sandbox_prefix(sb))

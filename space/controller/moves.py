@@ -36,8 +36,9 @@ import structlog
 
 from space import failpoints, ids
 from space.controller import placement
-from space.controller.lifecycle_ops import LONG, LifecycleOps, object_prefix
+from space.controller.lifecycle_ops import LONG, LifecycleOps
 from space.controller.nodes import NodeRegistry
+from space.controller.prefixes import object_prefix
 from space.errors import Conflict, InvalidState, NotFound, SpaceError, Unavailable
 from space.lifecycle import State
 from space.node.api.client import NodeClient
@@ -154,7 +155,8 @@ class Moves:
             prefix = object_prefix(sb, snap_id)
             res = await old.call("POST", f"/v1/sandboxes/{sb.id}/suspend",
                                  json_body={"snapshot": snap_id, "prefix": prefix, "tenant": sb.tenant,
-                                            "kind": "full"}, timeout=LONG)
+                                            "kind": "full", "sealing": await self.lifecycle.sealer.for_sandbox(sb)},
+                                 timeout=LONG)
             snap = await self.store.update_snapshot(
                 snap_id, status="ready", restorable=True, object_key=prefix, node_id=source,
                 size_bytes=res.get("bytes"), meta={"uploaded_bytes": res.get("bytes"),
@@ -178,7 +180,8 @@ class Moves:
         info = await new.call("POST", f"/v1/sandboxes/{sb.id}/restore",
                               json_body={"snapshot": snap.id, "prefix": snap.object_key, "token": op.id,
                                          "disk_mb": sb.disk_mb, "tenant": sb.tenant, "source": sb.id,
-                                         "egress": await self.lifecycle.egress(sb)}, timeout=LONG)
+                                         "egress": await self.lifecycle.egress(sb),
+                                         "sealing": await self.lifecycle.sealer.for_sandbox(sb)}, timeout=LONG)
         if back == State.PAUSED:
             await new.call("POST", f"/v1/sandboxes/{sb.id}/pause")
         timings["restore_s"] = round(time.monotonic() - t1, 3)

@@ -171,12 +171,13 @@ class NodeLoss:
             info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore", timeout=LONG,
                                    json_body={"snapshot": full.id, "prefix": full.object_key, "token": op.id,
                                               "disk_mb": sb.disk_mb, "tenant": full.tenant,
-                                              "source": full.sandbox_id, "egress": egress})
+                                              "source": full.sandbox_id, "egress": egress,
+                                              "sealing": await self.lifecycle.sealer.for_snapshot(full)})
         else:
             info = await node.call("POST", f"/v1/sandboxes/{sb.id}/restore-backup", timeout=LONG,
                                    json_body={"tenant": sb.tenant, "prefix": rec["prefix"], "chain": rec["chain"],
                                               "seq": int(rec["seq"]), "token": op.id, "disk_mb": sb.disk_mb,
-                                              "egress": egress})
+                                              "egress": egress, "sealing": await self.lifecycle.sealer.for_sandbox(sb)})
         back = State.PAUSED if op.request.get("from_state") == State.PAUSED.value else State.RUNNING
         if back == State.PAUSED:
             await node.call("POST", f"/v1/sandboxes/{sb.id}/pause", timeout=60)

@@ -242,6 +242,9 @@ class Sandbox(Base):
     #: Whether a data-plane call (exec, files) on a paused or suspended sandbox wakes it (SPACE's
     #: default); when false such calls fail until it is resumed explicitly (E2B's default).
     auto_resume: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    #: The secret its snapshots' and backups' keys are made with (base64; None: none yet; "": destroyed
+    #: with the sandbox, and with it every key its objects were encrypted under). Never in a view.
+    shred: Mapped[str | None] = mapped_column(String(64), nullable=True)
     #: Whether E2B-style port traffic (``E2b-Sandbox-Port``, ``<port>-<id>.<domain>``) reaches its
     #: servers without the sandbox's access token (E2B's ``allowPublicTraffic``).
     public_ports: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
@@ -342,6 +345,8 @@ class Snapshot(Base):
     #: Kept when its sandbox is deleted: uploaded under the tenant's own prefix as it is taken,
     #: and only an explicit delete removes it.
     retain: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: A retained snapshot's own shred secret (it outlives its sandbox; see Sandbox.shred). Never in a view.
+    shred: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
@@ -389,6 +394,10 @@ class TenantQuota(Base):
     #: Seconds between continuous-backup looks for its sandboxes whose own policy does not say:
     #: NULL takes the deployment's default, 0 turns backup off for them.
     backup_every: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    #: The tenant's key-encryption key for what SPACE stores of it (None: the deployment's: the
+    #: local keyring's key named after the tenant).
+    key_provider: Mapped[str | None] = mapped_column(String(16), nullable=True, default=None)
+    key_id: Mapped[str | None] = mapped_column(String(2048), nullable=True, default=None)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

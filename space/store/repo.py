@@ -16,7 +16,7 @@ violations as ``Conflict``, anything else as ``Internal``.
 
 Each aggregate's methods live in a module of their own (base: the engine, sessions and error
 translation; keys, nodes, templates, sandboxes, snapshots, operations, events, tenants,
-secret_rows, leases): :class:`Store` combines them.
+secret_rows, leases, shreds): :class:`Store` combines them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from space.store.nodes import NodeStore
 from space.store.operations import OPERATION_ACTIVE, OperationStore
 from space.store.sandboxes import SANDBOX_FIELDS, SandboxStore
 from space.store.secret_rows import SecretStore
+from space.store.shreds import ShredStore
 from space.store.snapshots import SNAPSHOT_FIELDS, SnapshotStore
 from space.store.templates import TemplateStore
 from space.store.tenants import TenantStore
@@ -48,5 +49,6 @@ class Store(
     SecretStore,
     LeaseStore,
     MembershipStore,
+    ShredStore,
 ):
     """The control plane's SQL store (SQLite embedded, PostgreSQL for several replicas)."""

@@ -92,6 +92,21 @@ class TenantStore(StoreBase):
                                    .where(TenantQuota.tenant.in_(names), TenantQuota.backup_every.is_not(None)))
             return {str(t): float(every) for t, every in rows if every is not None}
 
+    async def set_tenant_key(self, tenant: str, provider: str | None, key_id: str | None) -> TenantQuota:
+        """Store the tenant's key-encryption key (validated by the caller; None: the deployment's)."""
+        if not tenant:
+            raise InvalidRequest("tenant must not be empty")
+        return await self._upsert_quota(tenant, {"key_provider": provider, "key_id": key_id})
+
+    async def tenant_key(self, tenant: str) -> tuple[str, str] | None:
+        """The tenant's own key-encryption key ``(provider, key_id)``; None: the deployment's."""
+        async with self._tx(write=False) as s:
+            row = (await s.execute(select(TenantQuota.key_provider, TenantQuota.key_id)
+                                   .where(TenantQuota.tenant == tenant))).first()
+        if row is None or row[0] is None or row[1] is None:
+            return None
+        return str(row[0]), str(row[1])
+
     async def _upsert_quota(self, tenant: str, values: dict[str, Any]) -> TenantQuota:
         now = utcnow()
         stmt = self._insert(TenantQuota).values({"tenant": tenant, "egress": {}, "updated_at": now, **values})

@@ -18,6 +18,7 @@ object store.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import time
 from collections.abc import AsyncIterator
@@ -292,8 +293,12 @@ async def test_backup_reports_are_recorded_from_the_sandboxs_node_and_a_supersed
         await ctl.check_nodes()  # not configured on the node yet: configured
         puts = [q for p, q in _calls(log, "node-a", "PUT") if p == f"sandboxes/{sid}/backup"]
         assert [(q["every"], q["prefix"], q["tenant"]) for q in puts] == [(2, prefix, "acme")]
+        # Its links sealed under the tenant's key (the deployment's) with the sandbox's shred secret.
+        assert puts[0]["sealing"]["key"] == {"provider": "local", "key_id": "acme"}
+        assert base64.b64decode(puts[0]["sealing"]["shred"]) == await store.shred_secret(sandbox_id=sid)
         now = time.time()
-        report = {"chain": "c1", "seq": 4, "disk_at": now - 3, "every": 2, "prefix": prefix, "bytes_shipped": 99}
+        report = {"chain": "c1", "seq": 4, "disk_at": now - 3, "every": 2, "prefix": prefix, "bytes_shipped": 99,
+                  "key": {"provider": "local", "key_id": "acme"}}
         a.info["backups"] = {sid: report}
         b.info["backups"] = {sid: {**report, "chain": "zz", "seq": 9}}  # not its node: ignored
         await ctl.check_nodes()
@@ -303,6 +308,15 @@ async def test_backup_reports_are_recorded_from_the_sandboxs_node_and_a_supersed
         await ctl.check_nodes()
         rec = (await store.get_sandbox(sid)).backup or {}
         assert (rec["chain"], rec["seq"]) == ("c2", 0)
+        # The tenant's key changed: the node is told (its next links under the new key), and what
+        # it reports of its chain is still recorded.
+        log.clear()
+        await store.set_tenant_key("acme", "aws-kms", "arn:aws:kms:us-east-1:1:key/k")
+        a.info["backups"] = {sid: {**report, "chain": "c2", "seq": 1, "disk_at": now + 1}}
+        await ctl.check_nodes()
+        puts = [q for p, q in _calls(log, "node-a", "PUT") if p == f"sandboxes/{sid}/backup"]
+        assert [q["sealing"]["key"]["key_id"] for q in puts] == ["arn:aws:kms:us-east-1:1:key/k"]
+        assert ((await store.get_sandbox(sid)).backup or {})["seq"] == 1
         assert await objects.list(f"{prefix}/") == [f"{prefix}/c2/000000/manifest.json"]
     finally:
         await registry.aclose()
@@ -321,7 +335,7 @@ async def test_the_backup_interval_is_the_sandboxs_else_its_tenants_else_the_dep
         """One heartbeat of node-a reporting ``every``; the intervals the controller then PUT."""
         log.clear()
         a.info["backups"] = {sid: {"chain": "c1", "seq": 1, "disk_at": time.time(), "every": every,
-                                   "prefix": prefix}}
+                                   "prefix": prefix, "key": {"provider": "local", "key_id": "acme"}}}
         await ctl.check_nodes()
         return [q["every"] for p, q in _calls(log, "node-a", "PUT") if p == f"sandboxes/{sid}/backup"]
 

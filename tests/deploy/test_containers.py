@@ -142,6 +142,7 @@ class Containers:
                 "--join-token-file", str(token_file), "--control-url", self.api_url,
                 "--egress-ca-dir", str(self.node_dir / "egress-ca"),
                 "--manifest-key-file", str(self.node_dir / "manifest.key"),
+                "--kek-file", str(self.node_dir / "kek.key"),
                 "--cache-dir", "/var/cache/space", "--pool-size-gb", "8",
                 "--object-store-url", self.object_store_url]
 
@@ -201,6 +202,7 @@ def deployment(postgres_url: str) -> Iterator[Containers]:
         os.chown(p, 10001, 10001)
     shutil.copytree(work / "keys" / "egress-ca", node_dir / "egress-ca")
     shutil.copy(work / "keys" / "manifest.key", node_dir / "manifest.key")
+    shutil.copy(work / "keys" / "kek.key", node_dir / "kek.key")
     _shared_mount(node_dir)
     _shared_mount(Path("/run/netns"))
     # The node's template cache is its own: an agent takes its cache for its user (uid 10002 in the

@@ -224,6 +224,9 @@ class NodeAgent:
         # The deployment's manifest key, which every node sharing the object store holds.
         manifest_key = server.data_dir / "manifest.key"
         sealing = ["--manifest-key-file", str(manifest_key)] if manifest_key.exists() else []
+        # And the local keyring's root key: a snapshot one node encrypts, another opens.
+        kek = server.data_dir / "kek.key"
+        sealing += ["--kek-file", str(kek)] if kek.exists() else []
         log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child
         # Run as ``-m space.cli.main`` like the all-in-one node, so _node_agent_running finds it.
         self.proc = subprocess.Popen(

@@ -10,8 +10,6 @@ control plane can pass streams through untouched.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hmac
 import json
 import os
@@ -47,8 +45,8 @@ from space.node.sandboxes import stats
 from space.node.sandboxes.fencing import Fence
 from space.node.sandboxes.manager import LocalSandbox, SandboxManager
 from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
-from space.node.storage import snapshots
-from space.node.storage.artifacts import SHRED_BYTES, SealingSpec
+from space.node.storage import backup_chain, snapshots
+from space.node.storage.artifacts import SealingSpec
 from space.node.templates import save as template_save
 from space.node.templates.store import TemplateStore
 from space.web import guest_event_to_sse, install_error_handlers, sse
@@ -149,13 +147,7 @@ class SealingModel(BaseModel):
     shred: str = Field(..., min_length=44, max_length=44)
 
     def spec(self) -> SealingSpec:
-        try:
-            shred = base64.b64decode(self.shred, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred") from None
-        if len(shred) != SHRED_BYTES:
-            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred")
-        return SealingSpec(KeyRef.from_json(self.key), shred)
+        return SealingSpec.from_json(self.model_dump())
 
 
 def _spec(sealing: SealingModel | None) -> SealingSpec | None:
@@ -222,6 +214,8 @@ class BackupConfig(BaseModel):
     prefix: str = Field(..., min_length=1, max_length=512)
     every: float = Field(60.0, ge=1, le=86400)
     chain_links: int = Field(30, ge=1, le=1000)
+    #: Its links encrypted (None: they are not).
+    sealing: SealingModel | None = None
 
 
 class BackupRestoreRequest(BaseModel):
@@ -232,6 +226,21 @@ class BackupRestoreRequest(BaseModel):
     token: str | None = None
     egress: EgressConfig | None = None
     disk_mb: int | None = Field(None, ge=16, le=1 << 30)
+    #: Its links encrypted (None: they are not, or were not).
+    sealing: SealingModel | None = None
+
+
+class RewrapRequest(BaseModel):
+    """A shipped snapshot (``snapshot_id`` at ``prefix``) or backup link (``chain``/``seq`` under
+    the backup ``prefix``) whose data key a tenant's key rotation re-wraps under ``key``."""
+
+    tenant: str = Field(..., min_length=1, max_length=128)
+    sandbox_id: str = Field(..., min_length=1, max_length=128)
+    prefix: str = Field(..., min_length=1, max_length=512)
+    snapshot_id: str | None = Field(None, min_length=1, max_length=128)
+    chain: str | None = Field(None, min_length=1, max_length=64)
+    seq: int | None = Field(None, ge=0, lt=1000)
+    key: dict[str, str]
 
 
 class EnsureTemplate(BaseModel):
@@ -554,12 +563,28 @@ def create_node_app(
         manager.get(sandbox_id)
         return await manager.backups.back_up(sandbox_id)
 
+    @r.post("/objects/rewrap")
+    async def rewrap(body: RewrapRequest) -> dict[str, Any]:
+        """Re-wrap one shipped snapshot's data key under the tenant's new key (a rotation)."""
+        if body.chain is not None and body.seq is not None and body.snapshot_id is None:
+            snapshot_id = backup_chain.link_id(body.chain, body.seq)
+            prefix = backup_chain.link_prefix(body.prefix, body.chain, body.seq)
+        elif body.snapshot_id is not None and body.chain is None and body.seq is None:
+            snapshot_id, prefix = body.snapshot_id, body.prefix
+        else:
+            raise InvalidRequest("name a snapshot (snapshot_id) or a backup link (chain and seq), not both")
+        before = await manager.rewrap(tenant=body.tenant, sandbox_id=body.sandbox_id, snapshot_id=snapshot_id,
+                                      prefix=prefix, to=KeyRef.from_json(body.key))
+        return {"prefix": prefix, "rewrapped": before is not None,
+                "from": None if before is None else before.to_json()}
+
     @r.post("/sandboxes/{sandbox_id}/restore-backup")
     async def restore_backup(sandbox_id: str, body: BackupRestoreRequest) -> dict[str, Any]:
         """The sandbox on this node from its disk backup (its node was lost): processes restarted."""
         await _egress(sandbox_id, body.egress)
         sb = await manager.restore_backup(sandbox_id, prefix=body.prefix, chain=body.chain, seq=body.seq,
-                                          tenant=body.tenant, token=body.token, disk_mb=body.disk_mb)
+                                          tenant=body.tenant, token=body.token, disk_mb=body.disk_mb,
+                                          sealing=_spec(body.sealing))
         await _egress(sandbox_id, body.egress)
         return sandbox_view(sb)
 

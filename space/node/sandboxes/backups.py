@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from space.errors import InvalidRequest, NotFound, SpaceError
+from space.node.storage.artifacts import SealingSpec
 from space.node.storage.backup_chain import DEFAULT_CHAIN_LINKS, MAX_CHAIN_LINKS
 
 if TYPE_CHECKING:
@@ -69,15 +70,26 @@ class BackupState:
     bytes_shipped: int = 0
     #: The last failure (cleared by the next success), for the control plane and ``space sandbox get``.
     error: str | None = None
+    #: How links are encrypted (:meth:`SealingSpec.to_json`: the tenant's key and the sandbox's
+    #: shred secret, kept beside the sandbox's own files while it lives here); None: they are not.
+    sealing: dict[str, Any] | None = None
+
+    @property
+    def sealing_spec(self) -> SealingSpec | None:
+        return None if self.sealing is None else SealingSpec.from_json(self.sealing)
 
     def public(self) -> dict[str, Any]:
         return {"chain": self.chain, "seq": self.seq, "disk_at": self.disk_at, "link_at": self.link_at,
                 "links_shipped": self.links_shipped, "bytes_shipped": self.bytes_shipped, "error": self.error,
-                "every": self.every, "prefix": self.prefix}
+                "every": self.every, "prefix": self.prefix,
+                # The key new links are sealed under (never the shred secret): the control plane
+                # reconfigures a sandbox whose tenant changed keys.
+                "key": None if self.sealing is None else self.sealing["key"]}
 
 
 def parse_config(body: dict[str, Any], *, sandbox_id: str) -> tuple[str, str, float, int]:
-    """The control plane's configuration: (tenant, prefix, every, chain_links); refused if odd."""
+    """The control plane's configuration: (tenant, prefix, every, chain_links); refused if odd
+    (its sealing: :func:`parse_sealing`)."""
     tenant, prefix, every = body.get("tenant"), body.get("prefix"), body.get("every", 60)
     links = body.get("chain_links", DEFAULT_CHAIN_LINKS)
     if not isinstance(tenant, str) or not tenant:
@@ -90,6 +102,12 @@ def parse_config(body: dict[str, Any], *, sandbox_id: str) -> tuple[str, str, fl
     if isinstance(links, bool) or not isinstance(links, int) or not 1 <= links <= MAX_CHAIN_LINKS:
         raise InvalidRequest(f"chain_links must be 1 to {MAX_CHAIN_LINKS}", field="chain_links")
     return tenant, prefix.rstrip("/"), float(every), links
+
+
+def parse_sealing(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The configuration's sealing, checked, as the state keeps it."""
+    raw = body.get("sealing")
+    return None if raw is None else SealingSpec.from_json(raw).to_json()
 
 
 class Backups:
@@ -131,11 +149,14 @@ class Backups:
         """Start (or retune) backing up ``sandbox_id``. A new prefix or tenant starts a new chain."""
         self.manager.get(sandbox_id)
         tenant, prefix, every, links = parse_config(body, sandbox_id=sandbox_id)
+        sealing = parse_sealing(body)
         st = self._states.get(sandbox_id)
         if st is None or (st.tenant, st.prefix) != (tenant, prefix):
-            st = BackupState(tenant=tenant, prefix=prefix, every=every, chain_links=links)
+            st = BackupState(tenant=tenant, prefix=prefix, every=every, chain_links=links, sealing=sealing)
         else:
-            st.every, st.chain_links = every, links
+            # A new key (a rotation) seals the next link; the links before keep theirs, each
+            # link's manifest naming its own.
+            st.every, st.chain_links, st.sealing = every, links, sealing
         self._states[sandbox_id] = st
         self._save(sandbox_id, st)
         return st.public()
@@ -247,7 +268,7 @@ class Backups:
             async with self._shipping:
                 manifest = await self.manager.ship_backup_link(
                     sandbox_id, prefix=st.prefix, tenant=st.tenant, chain=chain, seq=seq, root=dest / "rootfs",
-                    parent=parent, bytes_per_s=self.bytes_per_s)
+                    parent=parent, bytes_per_s=self.bytes_per_s, sealing=st.sealing_spec)
         except BaseException:
             await asyncio.shield(pool.delete_subvolume(dest))
             raise

@@ -22,8 +22,16 @@ from typing import Any
 import structlog
 
 from space import ids
-from space.errors import InvalidState, NotFound, RuntimeFailure, SnapshotCorrupt, SpaceError, Unavailable
-from space.kms import DataKeys
+from space.errors import (
+    InvalidState,
+    KeyUnavailable,
+    NotFound,
+    RuntimeFailure,
+    SnapshotCorrupt,
+    SpaceError,
+    Unavailable,
+)
+from space.kms import DataKeys, KeyRef
 from space.node.network import port_proxy
 from space.node.network.egress import Egress
 from space.node.network.namespaces import SandboxNet
@@ -31,7 +39,14 @@ from space.node.sandboxes import startup
 from space.node.sandboxes.backups import Backups
 from space.node.sandboxes.guest_client import GuestConnection
 from space.node.storage import backup_chain, shipping, snapshots
-from space.node.storage.artifacts import Manifest, Sealing, SealingSpec, read_manifest, snapshot_binding
+from space.node.storage.artifacts import (
+    Manifest,
+    Sealing,
+    SealingSpec,
+    read_manifest,
+    rewrap_snapshot,
+    snapshot_binding,
+)
 from space.node.storage.pool import Pool
 from space.node.templates import objects as template_objects
 from space.node.templates.store import TemplateStore, spec_digest
@@ -877,8 +892,10 @@ class SandboxManager:
             return sb
 
     async def ship_backup_link(self, sandbox_id: str, *, prefix: str, tenant: str, chain: str, seq: int,
-                               root: Path, parent: Path, bytes_per_s: float | None) -> Manifest:
+                               root: Path, parent: Path, bytes_per_s: float | None,
+                               sealing: SealingSpec | None = None) -> Manifest:
         """Ship one backup link (its template first, so that any node can receive the chain)."""
+        sealed = None if sealing is None else sealing.bind(self.data_keys)
         objects, keys = self._objects()
         sb = self.get(sandbox_id)
         published = await self.templates.publish(objects, sb.template, sb.template_digest)
@@ -886,21 +903,24 @@ class SandboxManager:
             id=backup_chain.link_id(chain, seq), sandbox_id=sandbox_id, kind="disk", created_at=snapshots.now(),
             template=sb.template, template_digest=sb.template_digest, cpu=sb.cpu, memory_mb=sb.memory_mb,
             env=sb.env, user=sb.user, disk_mb=sb.disk_mb)
+        public, private = shipping.snapshot_meta(snap)
         meta = {"template_spec": published.spec, "template": published.ref(), "sandbox_id": sandbox_id,
-                "snapshot": snap.public()}
+                "snapshot": public}
         return await backup_chain.upload_link(objects, prefix, self.pool, tenant=tenant, sandbox_id=sandbox_id,
                                               chain=chain, seq=seq, root=root, parent=parent, meta=meta,
-                                              keys=keys, bytes_per_s=bytes_per_s)
+                                              keys=keys, bytes_per_s=bytes_per_s, sealing=sealed, private=private)
 
     async def restore_backup(self, sandbox_id: str, *, prefix: str, chain: str, seq: int, tenant: str,
                              token: str | None = None, disk_mb: int | None = None,
-                             on_progress: shipping.Progress | None = None) -> LocalSandbox:
+                             on_progress: shipping.Progress | None = None,
+                             sealing: SealingSpec | None = None) -> LocalSandbox:
         """Bring a sandbox back on this node from its disk backup: links ``0..seq`` of ``chain``
         received and verified, the last one its root; it boots afresh (processes restarted)."""
         existing = self._sandboxes.get(sandbox_id)
         if existing is not None and existing.status == "running" and (token is None or existing.applied == token):
             return existing
         self._departed.pop(sandbox_id, None)
+        sealed = None if sealing is None else sealing.bind(self.data_keys)
         objects, keys = self._objects()
         snap_id = backup_chain.link_id(chain, seq)
         work = self._dir(sandbox_id) / "restore-chain"
@@ -910,8 +930,8 @@ class SandboxManager:
             await self._ensure_template_of(first, what=f"backup {chain}", on_progress=on_progress)
             root, last = await backup_chain.receive_chain(objects, prefix, self.pool, work, tenant=tenant,
                                                           sandbox_id=sandbox_id, chain=chain, upto=seq, keys=keys,
-                                                          first=first)
-            raw = dict(last.meta.get("snapshot") or {})
+                                                          first=first, sealing=sealed)
+            raw = shipping.described_snapshot(last)
             fields = {k: v for k, v in raw.items() if k in snapshots.LocalSnapshot.__dataclass_fields__}
             snap = snapshots.LocalSnapshot(**{**fields, "id": snap_id, "sandbox_id": sandbox_id, "kind": "disk"})
             d = snapshots.snapshot_dir(self.pool, sandbox_id, snap_id)
@@ -926,6 +946,16 @@ class SandboxManager:
             if sandbox_id not in self._sandboxes or self._sandboxes[sandbox_id].status != "running":
                 await asyncio.shield(self._forget_dir(sandbox_id))
             raise
+
+    async def rewrap(self, *, tenant: str, sandbox_id: str, snapshot_id: str, prefix: str, to: KeyRef) -> KeyRef | None:
+        """A shipped snapshot's (or backup link's) data key wrapped under ``to``, its manifest
+        rewritten (a tenant's key rotation); None if there was nothing to do."""
+        if self.data_keys is None:
+            raise KeyUnavailable(f"this node has no key providers configured to re-wrap under {to.provider} "
+                                 f"key {to.key_id}", key=to.key_id, provider=to.provider)
+        objects, keys = self._objects()
+        binding = snapshot_binding(tenant=tenant, sandbox_id=sandbox_id, snapshot_id=snapshot_id, prefix=prefix)
+        return await rewrap_snapshot(objects, prefix, keys=keys, binding=binding, data_keys=self.data_keys, to=to)
 
     async def _ensure_template_of(self, manifest: Manifest, *, what: str,
                                   on_progress: shipping.Progress | None = None, **details: Any) -> None:

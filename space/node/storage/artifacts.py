@@ -27,7 +27,12 @@ Such a manifest is of kind ``snapshot-encrypted``, which nodes that cannot decry
                                  "key": {"provider": "local", "key_id": "acme", "wrapped": "..."}}}
 
 The sizes and sha256s the manifest records are of the stored (encrypted) bytes, checked before the
-last frame is released.
+last frame is released. A manifest's ``meta.private`` (what a snapshot's metadata holds that is the
+tenant's: a sandbox's environment) is encrypted the same way under the name ``manifest.private``
+(``{"sealed": "<base64 of one artifact's bytes>"}``) and opened only by a download.
+
+A rotation re-wraps the data key under the tenant's new key (:func:`rewrap_snapshot`): the manifest
+is rewritten, the artifacts stay as they are.
 
 This module knows nothing of btrfs or runsc: callers hand it files and byte streams.
 """
@@ -35,7 +40,10 @@ This module knows nothing of btrfs or runsc: callers hand it files and byte stre
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -69,6 +77,10 @@ KIND = "snapshot"
 KIND_ENCRYPTED = "snapshot-encrypted"
 ENCRYPTION_ALG = "aes-256-gcm-frames-v1"
 SHRED_BYTES = 32
+#: Where a manifest keeps what is the tenant's (encrypted with a sealing), and the name it is encrypted as.
+PRIVATE = "private"
+_PRIVATE_NAME = "manifest.private"
+MAX_PRIVATE_BYTES = 256 * 1024
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -109,6 +121,25 @@ class SealingSpec:
 
     ref: KeyRef
     shred: bytes
+
+    @classmethod
+    def from_json(cls, doc: Any) -> SealingSpec:
+        """``{"key": {"provider", "key_id"}, "shred": "<base64 of 32 bytes>"}``; InvalidRequest if not."""
+        if not isinstance(doc, dict):
+            raise InvalidRequest("sealing is an object with a key and a shred secret", field="sealing")
+        raw = doc.get("shred")
+        try:
+            if not isinstance(raw, str) or len(raw) > 64:
+                raise ValueError("not a short string")
+            shred = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred") from None
+        if len(shred) != SHRED_BYTES:
+            raise InvalidRequest("shred is base64 of 32 bytes", field="sealing.shred")
+        return cls(KeyRef.from_json(doc.get("key")), shred)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.ref.to_json(), "shred": base64.b64encode(self.shred).decode()}
 
     def bind(self, keys: DataKeys | None) -> Sealing:
         if keys is None:
@@ -302,9 +333,10 @@ async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
 
 async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[Artifact], meta: dict[str, Any],
                           *, keys: ManifestKeys, binding: dict[str, str], sealing: Sealing | None = None,
-                          on_progress: Progress | None = None) -> Manifest:
+                          private: dict[str, Any] | None = None, on_progress: Progress | None = None) -> Manifest:
     """Upload ``artifacts`` under ``prefix``, then commit them by writing the manifest, sealed
-    with ``keys`` for ``binding`` (:func:`snapshot_binding`).
+    with ``keys`` for ``binding`` (:func:`snapshot_binding`). ``private`` is kept as
+    ``meta["private"]``: encrypted with ``sealing``, and returned by :func:`download_snapshot` opened.
 
     Whatever was under ``prefix`` before (an older manifest first, then the partial data of an
     upload that crashed) is deleted first, so a retry starts clean. If any artifact fails, the
@@ -345,7 +377,10 @@ async def upload_snapshot(store: ObjectStore, prefix: str, artifacts: Sequence[A
             result = await store.put_stream(key, art.stream())
         records.append(ArtifactRecord(name=art.name, size=result.size, sha256=result.sha256))
         await _progress(on_progress, f"uploaded {art.name}: {result.size} bytes")
-    manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=dict(meta),
+    meta = dict(meta)
+    if private is not None:
+        meta[PRIVATE] = private if snapshot_key is None else _seal_private(snapshot_key, binding, private)
+    manifest = Manifest(version=FORMAT_VERSION, created_at=datetime.now(UTC).isoformat(), meta=meta,
                         artifacts=tuple(records), binding=dict(binding), encryption=encryption)
     await failpoints.hit("artifacts.before_manifest")
     await store.put_bytes(f"{prefix}/{MANIFEST}", manifest.seal(keys))
@@ -409,6 +444,9 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys
         # The key the manifest names (a tenant that changed keys since reads old snapshots under
         # their own), opened with this request's data keys and shred secret.
         snapshot_key = _snapshot_key(await sealing.keys.open(wrapped, key_context(manifest.binding)), sealing.shred)
+        if isinstance(manifest.meta.get(PRIVATE), dict):
+            opened = _open_private(snapshot_key, manifest.binding, manifest.meta[PRIVATE], prefix=prefix)
+            manifest = dataclasses.replace(manifest, meta={**manifest.meta, PRIVATE: opened})
     written: list[Path] = []
     try:
         for i, rec in enumerate(wanted, 1):
@@ -436,6 +474,53 @@ async def download_snapshot(store: ObjectStore, prefix: str, dest: Path, *, keys
         raise
     await _progress(on_progress, f"downloaded {len(wanted)} artifacts")
     return manifest
+
+
+def _seal_private(snapshot_key: bytes, binding: dict[str, str], private: dict[str, Any]) -> dict[str, str]:
+    enc = objcrypt.Encryptor(_artifact_key(snapshot_key, binding, _PRIVATE_NAME))
+    sealed = enc.update(canonical(private)) + enc.finish()
+    return {"sealed": base64.b64encode(sealed).decode()}
+
+
+def _open_private(snapshot_key: bytes, binding: dict[str, str], stored: dict[str, Any], *,
+                  prefix: str) -> dict[str, Any]:
+    raw = stored.get("sealed")
+    try:
+        if not isinstance(raw, str) or len(raw) > MAX_PRIVATE_BYTES * 2:
+            raise ValueError("not a bounded string")
+        sealed = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: its private part is not sealed",
+                              snapshot=prefix) from None
+    dec = objcrypt.Decryptor(_artifact_key(snapshot_key, binding, _PRIVATE_NAME), what=f"{prefix}/{MANIFEST}")
+    plain = dec.update(sealed) + dec.finish()
+    try:
+        doc = json.loads(plain)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise SnapshotCorrupt(f"snapshot {prefix} has an unreadable manifest: its private part is not an object",
+                              snapshot=prefix)
+    return doc
+
+
+async def rewrap_snapshot(store: ObjectStore, prefix: str, *, keys: ManifestKeys, binding: dict[str, str],
+                          data_keys: DataKeys, to: KeyRef) -> KeyRef | None:
+    """Wrap the snapshot's data key under ``to`` (a tenant's new key) and rewrite its manifest; its
+    artifacts are untouched. Returns the key it was wrapped under before (None: it is not encrypted,
+    or is under ``to`` already). The old manifest and the new one each open on their own, so a
+    restore that reads either while this runs succeeds."""
+    manifest = await read_manifest(store, prefix, keys=keys, binding=binding)
+    wrapped = manifest.wrapped_key
+    if wrapped is None or wrapped.ref == to:
+        return None
+    assert manifest.encryption is not None
+    new = await data_keys.rewrap(wrapped, to, key_context(manifest.binding))
+    rewritten = dataclasses.replace(manifest, encryption={**manifest.encryption, "key": new.to_json()})
+    await store.put_bytes(f"{_prefix(prefix)}/{MANIFEST}", rewritten.seal(keys))
+    log.info("snapshot.rewrapped", prefix=prefix, key_from=wrapped.ref.key_id, key_to=to.key_id,
+             store=store.describe())
+    return wrapped.ref
 
 
 async def delete_snapshot(store: ObjectStore, prefix: str) -> None:

@@ -82,7 +82,8 @@ async def throttled(stream: AsyncIterator[bytes], bytes_per_s: float | None) -> 
 
 async def upload_link(store: ObjectStore, base: str, pool: Pool, *, tenant: str, sandbox_id: str, chain: str,
                       seq: int, root: Path, parent: Path, meta: dict[str, Any], keys: ManifestKeys,
-                      bytes_per_s: float | None = None, sealing: Sealing | None = None) -> Manifest:
+                      bytes_per_s: float | None = None, sealing: Sealing | None = None,
+                      private: dict[str, Any] | None = None) -> Manifest:
     """Ship link ``seq`` of ``chain``: ``root`` (a read-only snapshot) sent against ``parent``
     (the previous link's snapshot, or the template for link 0), then its manifest."""
     prefix = link_prefix(base, chain, seq)
@@ -90,7 +91,7 @@ async def upload_link(store: ObjectStore, base: str, pool: Pool, *, tenant: str,
     art = Artifact(name=shipping.ROOTFS_ARTIFACT,
                    stream=lambda: throttled(shipping.send_delta(parent, root, pool=pool), bytes_per_s))
     return await upload_snapshot(store, prefix, [art], {**meta, "chain": chain, "seq": seq},
-                                 keys=keys, binding=binding, sealing=sealing)
+                                 keys=keys, binding=binding, sealing=sealing, private=private)
 
 
 async def read_link(store: ObjectStore, base: str, *, tenant: str, sandbox_id: str, chain: str, seq: int,
@@ -125,8 +126,8 @@ async def receive_chain(store: ObjectStore, base: str, pool: Pool, work: Path, *
                 manifest = await read_link(store, base, tenant=tenant, sandbox_id=sandbox_id, chain=chain, seq=seq,
                                            keys=keys)
             prefix = link_prefix(base, chain, seq)
-            await download_snapshot(store, prefix, incoming, keys=keys, binding=manifest.binding, manifest=manifest,
-                                    sealing=sealing)
+            manifest = await download_snapshot(store, prefix, incoming, keys=keys, binding=manifest.binding,
+                                               manifest=manifest, sealing=sealing)
             dest = work / f"{seq:06d}"
             dest.mkdir()
             try:

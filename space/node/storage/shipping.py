@@ -26,7 +26,7 @@ import structlog
 from space import childenv
 from space.errors import InvalidPath, RuntimeFailure, SnapshotCorrupt, SpaceError
 from space.node.storage import snapshots
-from space.node.storage.artifacts import Artifact, Manifest, Sealing, download_snapshot, upload_snapshot
+from space.node.storage.artifacts import PRIVATE, Artifact, Manifest, Sealing, download_snapshot, upload_snapshot
 from space.node.storage.pool import Pool
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
@@ -165,6 +165,24 @@ async def receive_compressed(pool: Pool, stream: Path, dest: Path, name: str, *,
         err_task.cancel()
 
 
+def snapshot_meta(snap: snapshots.LocalSnapshot) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A snapshot's description for its manifest: the public part, and the tenant's own (its
+    environment), which a sealed manifest keeps encrypted."""
+    public = snap.public()
+    return public, {"env": public.pop("env", {})}
+
+
+def described_snapshot(manifest: Manifest) -> dict[str, Any]:
+    """The snapshot a downloaded manifest describes (its private part opened by the download;
+    manifests from before the split keep the environment in the public part)."""
+    raw = dict(manifest.meta.get("snapshot") or {})
+    private = manifest.meta.get(PRIVATE)
+    if isinstance(private, dict) and "env" in private:
+        raw["env"] = private["env"]
+    raw.setdefault("env", {})
+    return raw
+
+
 async def upload(
     store: ObjectStore,
     prefix: str,
@@ -185,7 +203,8 @@ async def upload(
     arts = [Artifact(name=ROOTFS_ARTIFACT, stream=lambda: send_delta(template_root, root, pool=pool))]
     for f in sorted(image.iterdir()) if snap.kind == "full" else []:
         arts.append(Artifact(name=f"checkpoint/{f.name}", path=f))
-    manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": snap.public()},
+    public, private = snapshot_meta(snap)
+    manifest = await upload_snapshot(store, prefix, arts, {**meta, "snapshot": public}, private=private,
                                      keys=keys, binding=binding, on_progress=on_progress, sealing=sealing)
     total = sum(a.size for a in manifest.artifacts)
     log.info("snapshot.uploaded", snapshot=snap.id, prefix=prefix, bytes=total)
@@ -223,7 +242,7 @@ async def download(
     try:
         manifest = await download_snapshot(store, prefix, incoming, keys=keys, binding=binding,
                                            manifest=manifest, on_progress=on_progress, sealing=sealing)
-        raw = dict(manifest.meta.get("snapshot") or {})
+        raw = described_snapshot(manifest)
         if raw.get("id") != snap_id:
             raise SnapshotCorrupt(f"snapshot {snap_id}: the manifest at {prefix} describes "
                                   f"{raw.get('id')!r}", snapshot_id=snap_id)

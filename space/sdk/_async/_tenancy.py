@@ -91,6 +91,20 @@ class AsyncQuotas:
         (``snapshot_policy.backup_every``) still wins. Operator or the tenant's admin keys."""
         return await self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/backup", json={"every": every})
 
+    async def get_key(self, tenant: str) -> JSON:
+        """``{"tenant", "provider", "key_id", "source", "encryption"}``: the key the tenant's
+        snapshots and backups in object storage are sealed under (``source`` ``default``: the
+        deployment's)."""
+        return await self._http.json("GET", f"/v1/tenants/{quote(tenant, safe='')}/key")
+
+    async def set_key(self, tenant: str, provider: str | None, key_id: str | None = None) -> JSON:
+        """Seal the tenant's snapshots and backups under ``provider``'s key ``key_id`` from now on
+        (``"aws-kms"`` and an ARN, or ``"local"``; ``None``: the deployment's), and re-wrap what it
+        stored before: the answer's ``operation`` (``tenant.rewrap``, its progress the count).
+        Operator or the tenant's admin keys."""
+        return await self._http.json("PUT", f"/v1/tenants/{quote(tenant, safe='')}/key",
+                                     json={"provider": provider, "key_id": key_id})
+
 
 class AsyncAudit:
     def __init__(self, http: AsyncHTTP) -> None:
