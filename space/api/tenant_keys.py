@@ -22,7 +22,7 @@ from space.api.state import AppState, app_state
 from space.api.tenants import Tenant, _require_read
 from space.controller.rotation import start_rewrap
 from space.controller.sealing import deployment_key
-from space.errors import InvalidRequest
+from space.errors import InvalidRequest, Unavailable
 from space.kms import AWS_KMS, LOCAL, KeyRef
 
 router = APIRouter(prefix="/v1")
@@ -47,6 +47,16 @@ async def key_view(st: AppState, tenant: str) -> dict[str, Any]:
             "encryption": st.controller.lifecycle.sealer.enabled}
 
 
+async def check_key(st: AppState, tenant: str, ref: KeyRef) -> None:
+    """A node makes a data key under ``ref`` before it is stored: a key its KMS refuses (unknown,
+    disabled, no grant for the nodes' credentials) is key_unavailable now, not at the next suspend."""
+    nodes = await st.nodes.ready_nodes()
+    if not nodes:
+        raise Unavailable("no ready node to check the key with; try again once a node has joined")
+    await nodes[0].call("POST", "/v1/objects/key-check", json_body={"tenant": tenant, "key": ref.to_json()},
+                        timeout=30)
+
+
 @router.get("/tenants/{tenant}/key")
 async def get_key(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
     _require_read(who, tenant)
@@ -55,8 +65,8 @@ async def get_key(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
 
 @router.put("/tenants/{tenant}/key")
 async def put_key(tenant: Tenant, body: KeyBody, who: Auth, st: St) -> JSONResponse:
-    """Set the tenant's key; what it stores from now on is sealed under it, and the re-wrap of
-    what it stored before is queued (``operation``)."""
+    """Set the tenant's key (once a node made a data key under it); what it stores from now on is
+    sealed under it, and the re-wrap of what it stored before is queued (``operation``)."""
     who.require_manage(tenant)
     if body.provider is None:
         ref, own = deployment_key(tenant), None
@@ -66,6 +76,7 @@ async def put_key(tenant: Tenant, body: KeyBody, who: Auth, st: St) -> JSONRespo
             raise InvalidRequest(f"a {AWS_KMS} key needs its key_id (the key's ARN or id)", field="key_id")
         ref = KeyRef(body.provider, key_id)
         own = (ref.provider, ref.key_id)
+    await check_key(st, tenant, ref)
     await st.store.set_tenant_key(tenant, *(own or (None, None)))
     op = await start_rewrap(st.store, tenant, ref, actor_tenant=who.tenant)
     st.controller.wake()

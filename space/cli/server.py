@@ -207,6 +207,10 @@ def node_run(
              "tenants' keys without a KMS of their own are derived from. Default <data-dir>/kek.key if present.")]
     = None,
     create_kek: Annotated[bool, typer.Option("--create-kek", hidden=True)] = False,
+    data_key_ttl: Annotated[float, typer.Option(
+        "--data-key-ttl", min=0, max=3600, envvar="SPACE_DATA_KEY_TTL",
+        help="Seconds an opened data key stays in memory (0: asked of the KMS every time); a revoked "
+             "key stops opening snapshots at most this long after.")] = 60.0,
     fence_after: Annotated[float | None, typer.Option(
         "--fence-after", min=0.0, envvar="SPACE_FENCE_AFTER",
         help="Seconds without the control plane's heartbeat after which this node freezes its own "
@@ -259,7 +263,7 @@ def node_run(
             raise typer.BadParameter(e.message) from None
     # Held in memory only: no child (helper, gateway, shims, runsc) inherits it.
     os.environ.pop(objauth.ENV_VAR, None)
-    data_keys = _data_keys(kek_file or data_dir / KEK_FILE, create=create_kek,
+    data_keys = _data_keys(kek_file or data_dir / KEK_FILE, create=create_kek, ttl=data_key_ttl,
                            env=None if secrets is None else {**secrets.get("object_store", {}),
                                                              **secrets.get("kms", {})})
     logs.configure(log_level)
@@ -282,7 +286,7 @@ def node_run(
         raise typer.Exit(2) from None
 
 
-def _data_keys(kek_file: Path, *, create: bool, env: dict[str, str] | None) -> Any:
+def _data_keys(kek_file: Path, *, create: bool, env: dict[str, str] | None, ttl: float = 60.0) -> Any:
     """The node's key providers: the local keyring from ``kek_file`` (made first with ``create``:
     space serve's first start), and AWS KMS (its credentials from ``env``, else the environment's
     chain) when botocore is installed. Read here, as root: the root keys live in memory only."""
@@ -299,7 +303,7 @@ def _data_keys(kek_file: Path, *, create: bool, env: dict[str, str] | None) -> A
             raise typer.BadParameter(f"the key-encryption key file {kek_file}: {e}", param_hint="--kek-file") from None
     with contextlib.suppress(Unavailable):  # no botocore: tenants' AWS KMS keys are refused, saying so
         providers[AWS_KMS] = AwsKms(env={**os.environ, **(env or {})})
-    return DataKeys(providers)
+    return DataKeys(providers, ttl=ttl)
 
 
 #: The largest secrets document a node agent reads (its supervisor's limit is lower).

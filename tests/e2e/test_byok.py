@@ -175,8 +175,18 @@ def test_a_disabled_kms_key_refuses_the_restore_and_an_enabled_one_restores(moto
             assert view["result"]["total"] == 0
             assert api.get(f"/v1/tenants/{tenant}/key").json()["key_id"] == arn
             sid = create_sandbox(api)
+            key_id = arn.rsplit("/", 1)[-1]  # moto disables by id, not by ARN
             try:
                 sh(api, sid, "echo kept > /home/user/kept.txt")
+                # A suspend under a refused key fails, and the sandbox runs on as it was.
+                moto.kms.disable_key(KeyId=key_id)
+                r = api.post(f"/v1/sandboxes/{sid}/suspend")
+                assert r.status_code == 202, r.text
+                op = wait_operation(api, r.json()["operation"]["id"], timeout=300)
+                assert op["status"] == "failed" and op["error"]["code"] == "key_unavailable", op
+                assert state(api, sid) == "running"
+                assert sh(api, sid, "cat /home/user/kept.txt").strip() == "kept"
+                moto.kms.enable_key(KeyId=key_id)
                 act(api, sid, "suspend")
                 snap_id = api.get(f"/v1/sandboxes/{sid}").json()["snapshot_id"]
                 manifest = json.loads(moto.read(_snapshot_prefix(tenant, sid, snap_id) + "manifest.json"))
@@ -304,7 +314,7 @@ def test_deleting_a_sandbox_destroys_its_keys(moto: Moto, srv: Server) -> None:
     assert outcomes and "opened" not in outcomes, outcomes
 
 
-def test_a_tenant_key_is_set_by_its_admin_only_and_audited(srv: Server) -> None:
+def test_a_tenant_key_is_checked_set_by_its_admin_only_and_audited(srv: Server) -> None:
     with srv.client() as admin:
         tenant, api = _tenant(admin, admin, srv)
         r = admin.post("/v1/apikeys", json={"tenant": tenant, "role": "member", "name": "member"})
@@ -316,6 +326,11 @@ def test_a_tenant_key_is_set_by_its_admin_only_and_audited(srv: Server) -> None:
             assert r.status_code == 400 and r.json()["error"]["field"] == "key_id", r.text
             r = api.put(f"/v1/tenants/{tenant}/key", json={"provider": "vault", "key_id": "k"})
             assert r.status_code in (400, 422), r.text
+            # A key its KMS does not know is refused before it is stored.
+            unknown = "arn:aws:kms:us-east-1:123456789012:key/00000000-0000-0000-0000-000000000000"
+            r = api.put(f"/v1/tenants/{tenant}/key", json={"provider": "aws-kms", "key_id": unknown})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "key_unavailable", r.text
+            assert api.get(f"/v1/tenants/{tenant}/key").json()["source"] == "default"
             _set_key(api, tenant, None, None)
             view = api.get(f"/v1/tenants/{tenant}/key").json()
             assert view == {"tenant": tenant, "provider": "local", "key_id": tenant, "source": "default",

@@ -8,6 +8,8 @@ moto's S3, under the local keyring:
 - without the key, with a refused key, or with another shred secret, nothing is written: the
   download fails (KeyUnavailable, or ObjectTampered from the first frame) and leaves no file
 - a retry uploads under a fresh data key
+- the manifest's private part is encrypted, and opened only by a download
+- a rotation's re-wrap rewrites the manifest under the new key and nothing else
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from space.node.storage.artifacts import (
     KIND,
     KIND_ENCRYPTED,
     MANIFEST,
+    PRIVATE,
     Artifact,
     Sealing,
     download_snapshot,
     read_manifest,
+    rewrap_snapshot,
     snapshot_binding,
     upload_snapshot,
 )
@@ -123,3 +127,58 @@ async def test_a_retry_uploads_under_a_fresh_data_key(store: ObjectStore, tmp_pa
     dest = tmp_path / "restore"
     await download_snapshot(store, PREFIX, dest, sealing=Sealing(keys, KeyRef(LOCAL, "t1"), shred), **SEALED)
     assert (dest / "rootfs.btrfs.zst").read_bytes() == contents["rootfs.btrfs.zst"]
+
+
+async def test_the_private_part_is_sealed_in_the_manifest_and_opened_by_the_download(
+        store: ObjectStore, tmp_path: Path) -> None:
+    keys, shred = _data_keys(os.urandom(32)), os.urandom(32)
+    sealing = Sealing(keys, KeyRef(LOCAL, "t1"), shred)
+    artifacts, _ = _inputs(tmp_path)
+    private = {"env": {"TOKEN": MARKER.decode()}}
+    await upload_snapshot(store, PREFIX, artifacts, {"public": 1}, private=private, sealing=sealing, **SEALED)
+    stored = (await _stored(store, PREFIX))[f"{PREFIX}/{MANIFEST}"]
+    assert MARKER not in stored
+    # Read without opening its key (what a node does before it fetches the template): sealed.
+    read = await read_manifest(store, PREFIX, **SEALED)
+    assert set(read.meta[PRIVATE]) == {"sealed"} and read.meta["public"] == 1
+    got = await download_snapshot(store, PREFIX, tmp_path / "restore", sealing=sealing, **SEALED)
+    assert got.meta[PRIVATE] == private
+    # Another shred secret does not open it (nor anything else of the snapshot).
+    with pytest.raises((ObjectTampered, SnapshotCorrupt)):
+        await download_snapshot(store, PREFIX, tmp_path / "other", **SEALED,
+                                sealing=Sealing(keys, KeyRef(LOCAL, "t1"), os.urandom(32)))
+    # Unencrypted, it is kept as it is.
+    artifacts, _ = _inputs(tmp_path)
+    plain = await upload_snapshot(store, PREFIX, artifacts, {}, private=private, **SEALED)
+    assert plain.meta[PRIVATE] == private
+
+
+async def test_a_rewrap_moves_the_data_key_under_the_new_key_and_leaves_the_artifacts(
+        store: ObjectStore, tmp_path: Path) -> None:
+    root, shred = os.urandom(32), os.urandom(32)
+    keys = _data_keys(root)
+    artifacts, contents = _inputs(tmp_path)
+    before = await upload_snapshot(store, PREFIX, artifacts, {}, sealing=Sealing(keys, KeyRef(LOCAL, "t1"), shred),
+                                   **SEALED)
+    stored = await _stored(store, PREFIX)
+    new = KeyRef(LOCAL, "t1-2027")
+
+    # A key this deployment cannot use: refused, and the manifest stays as it was.
+    refusing = DataKeys({}, ttl=0)
+    with pytest.raises(KeyUnavailable):
+        await rewrap_snapshot(store, PREFIX, data_keys=refusing, to=new, **SEALED)
+    assert await _stored(store, PREFIX) == stored
+
+    assert await rewrap_snapshot(store, PREFIX, data_keys=keys, to=new, **SEALED) == KeyRef(LOCAL, "t1")
+    after = await read_manifest(store, PREFIX, **SEALED)
+    assert after.wrapped_key is not None and after.wrapped_key.ref == new
+    assert after.wrapped_key != before.wrapped_key and after.artifacts == before.artifacts
+    rewritten = await _stored(store, PREFIX)
+    assert {k: v for k, v in rewritten.items() if not k.endswith(MANIFEST)} == \
+        {k: v for k, v in stored.items() if not k.endswith(MANIFEST)}
+    # Again: nothing to do.
+    assert await rewrap_snapshot(store, PREFIX, data_keys=keys, to=new, **SEALED) is None
+    dest = tmp_path / "restore"
+    await download_snapshot(store, PREFIX, dest, sealing=Sealing(keys, new, shred), **SEALED)
+    for name, data in contents.items():
+        assert (dest / name).read_bytes() == data

@@ -158,3 +158,25 @@ async def test_aws_kms_refuses_a_disabled_deleted_or_unknown_key_and_works_again
     with pytest.raises(KeyUnavailable, match="NotFoundException") as e:
         await keys.open(WrappedKey(KeyRef(AWS_KMS, unknown), wrapped.blob), CONTEXT)
     assert e.value.details["kms_error"] == "NotFoundException"
+
+
+async def test_a_rotation_rewraps_a_data_key_across_providers_and_a_refusing_key_stops_it(
+        kms: tuple[AwsKms, Any]) -> None:
+    provider, admin = kms
+    key_id = admin.create_key(Description="acme's new key")["KeyMetadata"]["KeyId"]
+    keys = DataKeys({LOCAL: LocalKeyring([_root()]), AWS_KMS: provider}, ttl=0)
+    data_key, local = await keys.new(KeyRef(LOCAL, "acme"), CONTEXT)
+
+    moved = await keys.rewrap(local, KeyRef(AWS_KMS, key_id), CONTEXT)
+    assert moved.ref == KeyRef(AWS_KMS, key_id) and data_key not in moved.blob
+    assert await keys.open(moved, CONTEXT) == data_key  # the same data key: nothing re-encrypted
+    back = await keys.rewrap(moved, KeyRef(LOCAL, "acme-2"), CONTEXT)
+    assert await keys.open(back, CONTEXT) == data_key
+    with pytest.raises(ObjectTampered):  # bound to its context there as well
+        await keys.open(moved, {**CONTEXT, "snapshot": "n2"})
+
+    admin.disable_key(KeyId=key_id)
+    with pytest.raises(KeyUnavailable):  # to a refusing key
+        await keys.rewrap(local, KeyRef(AWS_KMS, key_id), CONTEXT)
+    with pytest.raises(KeyUnavailable):  # from one
+        await keys.rewrap(moved, KeyRef(LOCAL, "acme"), CONTEXT)

@@ -27,6 +27,7 @@ from space import failpoints, ids, paths
 from space.errors import (
     InvalidRequest,
     InvalidState,
+    KeyUnavailable,
     NotFound,
     PayloadTooLarge,
     RuntimeFailure,
@@ -240,6 +241,13 @@ class RewrapRequest(BaseModel):
     snapshot_id: str | None = Field(None, min_length=1, max_length=128)
     chain: str | None = Field(None, min_length=1, max_length=64)
     seq: int | None = Field(None, ge=0, lt=1000)
+    key: dict[str, str]
+
+
+class KeyCheckRequest(BaseModel):
+    """A key a tenant is about to use: does this node's provider make a data key under it?"""
+
+    tenant: str = Field(..., min_length=1, max_length=128)
     key: dict[str, str]
 
 
@@ -562,6 +570,17 @@ def create_node_app(
         """Look now (ship a link if the disk changed): before a planned move, and for tests."""
         manager.get(sandbox_id)
         return await manager.backups.back_up(sandbox_id)
+
+    @r.post("/objects/key-check")
+    async def key_check(body: KeyCheckRequest) -> dict[str, Any]:
+        """Make (and drop) a data key under the tenant's new key: key_unavailable if its KMS
+        refuses, before the control plane stores the key."""
+        ref = KeyRef.from_json(body.key)
+        if manager.data_keys is None:
+            raise KeyUnavailable(f"this node has no key providers configured for {ref.provider} key {ref.key_id}",
+                                 key=ref.key_id, provider=ref.provider)
+        await manager.data_keys.new(ref, {"tenant": body.tenant, "purpose": "key-check"})
+        return {"key": ref.to_json(), "usable": True}
 
     @r.post("/objects/rewrap")
     async def rewrap(body: RewrapRequest) -> dict[str, Any]:
