@@ -355,23 +355,26 @@ async def serve_node(settings: NodeSettings) -> None:
         # Stopping in order from here on: a further SIGTERM (a container runtime signals every
         # process it finds, this one again among them) must not cut that short with its default action.
         loop = asyncio.get_running_loop()
+        guarded = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: nothing to guard
                 loop.add_signal_handler(sig, log.info, "node.signal_ignored")
-        helper_watch.cancel()
-        reserve.cancel()
-        backups.cancel()
-        fencing.cancel()
-        monitor.cancel()
-        refill.cancel()
-        gateway_watch.cancel()
-        await asyncio.gather(monitor, refill, gateway_watch, reserve, backups, fencing, return_exceptions=True)
-        await warm.close()
-        await manager.close()
-        if settings.socket is not None:
-            settings.socket.unlink(missing_ok=True)
-        if node.helper is not None:
-            await node.helper.stop()
+                guarded.append(sig)
+        try:
+            for task in (helper_watch, reserve, backups, fencing, monitor, refill, gateway_watch):
+                task.cancel()
+            await asyncio.gather(monitor, refill, gateway_watch, reserve, backups, fencing, return_exceptions=True)
+            await warm.close()
+            await manager.close()
+            if settings.socket is not None:
+                settings.socket.unlink(missing_ok=True)
+            if node.helper is not None:
+                await node.helper.stop()
+        finally:
+            # Stopped: the signals are the process's again (a loop that outlives this call, as a
+            # test runner's does, must not go on swallowing them).
+            for sig in guarded:
+                loop.remove_signal_handler(sig)
 
 
 async def _exit_with_helper(helper: HelperProcess | None, server: uvicorn.Server) -> bool:

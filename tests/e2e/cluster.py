@@ -235,6 +235,7 @@ class Cluster:
             *(["--control-ca-file", str(control_ca)] if control_ca is not None else []),
             "--egress-ca-dir", str(egress_ca),
             "--manifest-key-file", str(self.keys_dir / "manifest.key"),
+            "--kek-file", str(self.keys_dir / "kek.key"),
             "--node-id", node_id, "--cache-dir", str(cache), "--pool-size-gb", "16",
             "--object-store-url", self.object_store_url,
         ], self.work / f"{node_id}.log", {**S3_CREDENTIALS, **self.node_env})

@@ -350,6 +350,25 @@ def base_template(server: Server) -> Path:
     return dirs[-1]
 
 
+def node_processes(data_dir: Path) -> list[int]:
+    """Every process of the node with ``data_dir``: its agent, helper and gateway, its sandboxes'
+    runsc (what a machine's sudden death takes down)."""
+    from space.node.main import channel_dir_for
+
+    marks = (str(data_dir).encode(), str(channel_dir_for(data_dir)).encode())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(m in cmdline for m in marks):
+            pids.append(int(entry.name))
+    return pids
+
+
 def _node_agent_running(data_dir: Path) -> bool:
     needle = f"--data-dir\x00{data_dir}\x00".encode()
     for p in Path("/proc").iterdir():

@@ -8,6 +8,7 @@ whose tenants' keys live in moto's KMS (its server mode, on loopback).
   sandbox stays suspended, an event names the key; enabled again, the same restore works.
 - Rotating a tenant's key re-wraps what it stored before (the manifests name the new key; the
   artifacts are untouched) and every old snapshot stays readable, a retained one's fork included.
+- A lost node's sandbox comes back on another node from its backup chain, sealed under AWS KMS.
 - Deleting a sandbox destroys its shred secret: a copy of its objects does not open with the
   deployment's key file and any secret the database still holds.
 """
@@ -16,8 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import datetime as dt
 import json
+import os
 import secrets
+import shutil
+import signal
 import sqlite3
 import tempfile
 import uuid
@@ -27,10 +33,8 @@ from typing import Any
 
 import boto3
 import httpx
-import obstore
 import pytest
 from moto.server import ThreadedMotoServer
-from obstore.store import S3Store
 
 from space import objcrypt
 from space.errors import KeyUnavailable, ObjectTampered
@@ -38,39 +42,32 @@ from space.kms import LOCAL, DataKeys, KeyRef, LocalKeyring
 from space.node.storage.artifacts import Manifest, SealingSpec, download_snapshot
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
-from tests.e2e.harness import Server, create_sandbox, own_server, wait_operation
+from tests.e2e.harness import (
+    NodeAgent,
+    Server,
+    create_sandbox,
+    loop_devices,
+    node_processes,
+    node_scratch,
+    own_server,
+    wait_operation,
+)
 from tests.e2e.test_lifecycle import act, sh, state
+from tests.e2e.test_s3 import CREDENTIALS, PREFIX, S3
 from tests.e2e.test_snapshots_retained import take
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.runtime
 
-PREFIX = "space"
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "space-test",
-    "AWS_SECRET_ACCESS_KEY": "space-test-secret",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+class Moto(S3):
+    """The bucket (read with a plain S3 client, independently of SPACE's code) and the KMS, driven
+    with AWS's own client."""
 
-
-class Moto:
-    """The bucket and the KMS, read and driven with plain clients, independently of SPACE's code."""
-
-    def __init__(self, endpoint: str, bucket: str) -> None:
-        self.endpoint, self.bucket = endpoint, bucket
-        self.kms = boto3.client("kms", endpoint_url=endpoint, region_name="us-east-1",
-                                aws_access_key_id="space-test", aws_secret_access_key="space-test-secret")
-
-    def _store(self) -> S3Store:
-        return S3Store(self.bucket, endpoint=self.endpoint, access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                       secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-                       region=CREDENTIALS["AWS_DEFAULT_REGION"], client_options={"allow_http": True})
-
-    def keys(self, under: str) -> list[str]:
-        return [str(o["path"]) for batch in obstore.list(self._store(), prefix=under) for o in batch]
-
-    def read(self, key: str) -> bytes:
-        return bytes(obstore.get(self._store(), key).bytes())
+    @property
+    def kms(self) -> Any:
+        return boto3.client("kms", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
 
     def new_key(self) -> str:
         return str(self.kms.create_key(Description="a SPACE tenant's key")["KeyMetadata"]["Arn"])
@@ -340,3 +337,69 @@ def test_a_tenant_key_is_checked_set_by_its_admin_only_and_audited(srv: Server) 
                 return [a for a in records if a["action"] == "key.set" and a["status"] == 202]
             # The refused attempt is audited too; the accepted one once per setting.
             assert len(wait_for(audited, 30, "the key's change in the audit log")) == 1
+
+
+def test_a_lost_nodes_sandbox_comes_back_from_its_backup_sealed_under_aws_kms(
+        moto: Moto, srv: Server, tmp_path: Path) -> None:
+    """Backup recovery, encrypted: the sandbox's backup links are sealed under its tenant's AWS KMS
+    key on the node it runs on; that node is killed, and another node opens the chain under the
+    same key (its own credentials for it) and runs the sandbox from it."""
+    with srv.client() as admin:
+        tenant, api = _tenant(admin, admin, srv)
+        arn = moto.new_key()
+        scratch = node_scratch("byok-b-")
+        node = NodeAgent(node_id="byok-b", data_dir=scratch / "data", cache_dir=scratch / "cache",
+                         log_path=tmp_path / "byok-b.log",
+                         object_store_url=f"s3://{moto.bucket}/{PREFIX}?endpoint={moto.endpoint}",
+                         env={**CREDENTIALS, "SPACE_KMS_ENDPOINT": moto.endpoint, "SPACE_FENCE_AFTER": "6"})
+        sid = None
+        with api:
+            try:
+                _set_key(api, tenant, "aws-kms", arn)
+                node.start(srv)
+                sid = create_sandbox(api, snapshot_policy={"backup_every": 1, "disk_every": None, "full_every": None})
+                act(api, sid, "suspend")
+                # Restored onto the further node: the only one not cordoned (placing is the operator's).
+                others = [n["id"] for n in admin.get("/v1/nodes").json()["nodes"] if n["id"] != node.node_id]
+                for other in others:
+                    assert admin.post(f"/v1/nodes/{other}/cordon").status_code == 200
+                try:
+                    act(api, sid, "restore")
+                finally:
+                    for other in others:
+                        admin.post(f"/v1/nodes/{other}/uncordon")
+                assert api.get(f"/v1/sandboxes/{sid}").json()["node_id"] == node.node_id
+                digest = sh(api, sid, "head -c 300000 /dev/urandom > /home/user/b.bin && sync && "
+                                      "sha256sum /home/user/b.bin").split()[0]
+                written = dt.datetime.now(dt.UTC)
+
+                def durable() -> dict[str, Any] | None:
+                    b = api.get(f"/v1/sandboxes/{sid}").json().get("backup") or {}
+                    return b if b.get("disk_at") and dt.datetime.fromisoformat(b["disk_at"]) > written else None
+                backup = wait_for(durable, 90, "the write to be backed up")
+                link = f"{PREFIX}/tenants/{tenant}/sandboxes/{sid}/backup/{backup['chain']}/000000/manifest.json"
+                sealed = json.loads(moto.read(link))
+                assert sealed["kind"] == "snapshot-encrypted"
+                assert sealed["body"]["encryption"]["key"]["key_id"] == arn, sealed["body"]["encryption"]
+
+                for pid in node_processes(node.data_dir):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                assert node.proc is not None
+                node.proc.wait(timeout=30)
+
+                def elsewhere() -> bool:
+                    sb = api.get(f"/v1/sandboxes/{sid}").json()
+                    return bool(sb["state"] == "running" and sb["node_id"] not in (None, node.node_id))
+                wait_for(elsewhere, 180, "the sandbox to run on another node")
+                assert sh(api, sid, "sha256sum /home/user/b.bin").split()[0] == digest
+                relocated = [e for e in api.get(f"/v1/sandboxes/{sid}/events").json()["events"]
+                             if e["kind"] == "relocated"]
+                assert relocated and "disk backup" in relocated[-1]["message"], relocated
+            finally:
+                if sid is not None:
+                    _delete(api, sid)
+                node.teardown()
+        assert loop_devices(node.data_dir / "pool.img") == ""
+        shutil.rmtree(scratch, ignore_errors=True)
+

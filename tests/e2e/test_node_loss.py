@@ -32,7 +32,16 @@ import httpx
 import pytest
 
 from space.node.main import channel_dir_for
-from tests.e2e.harness import NodeAgent, Server, create_sandbox, loop_devices, node_scratch, own_server, sh
+from tests.e2e.harness import (
+    NodeAgent,
+    Server,
+    create_sandbox,
+    loop_devices,
+    node_processes,
+    node_scratch,
+    own_server,
+    sh,
+)
 from tests.e2e.test_lifecycle import act
 from tests.waiting import wait_for
 
@@ -128,18 +137,7 @@ def _running_elsewhere(api: httpx.Client, sid: str, old: str) -> dict[str, Any]:
 
 def _node_processes(node: NodeAgent) -> list[int]:
     """Every process of the node: its agent, its helper and gateway, its sandboxes' runsc."""
-    marks = (str(node.data_dir).encode(), str(channel_dir_for(node.data_dir)).encode())
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if any(m in cmdline for m in marks):
-            pids.append(int(entry.name))
-    return pids
+    return node_processes(node.data_dir)
 
 
 def _events(api: httpx.Client, sid: str) -> list[dict[str, Any]]:
