@@ -18,6 +18,7 @@ One round on a server, for one size N:
    storage); the manifest it wrote is read back from the object store to check that the side is
    what it says (kind ``snapshot-encrypted`` or ``snapshot``);
 5. ``POST /restore`` → operation succeeded (**restore**: fetched back, decrypted, restored);
+   Before each, the host's dirty pages are written back (``sync``), on both sides alike.
 6. the restore is checked, outside the timings: the blob's sha256 unchanged, the process still
    running and still holding its memory. A round whose restore is broken stops the benchmark;
 7. the sandbox deleted.
@@ -41,6 +42,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import re
 import subprocess
 import sys
@@ -156,6 +158,9 @@ def one_round(side: Side, size_mb: int) -> dict[str, Any]:
         wait_for(lambda: side.sh(sid, "cat /tmp/held 2>/dev/null || true").strip() == str(HOLD_MB * MIB),
                  120, f"the sandbox to hold {HOLD_MB} MiB")
 
+        # The host's dirty pages written back first (the blob, the last round's objects): writeback
+        # landing inside one side's timing is noise that has nothing to do with encryption.
+        os.sync()
         s_ms, s_op = side.act(f"/v1/sandboxes/{sid}/suspend", "suspend")
         snap_id = str(s_op["result"]["snapshot"])
         kind = side.manifest_kind(sid, snap_id)
@@ -164,6 +169,7 @@ def one_round(side: Side, size_mb: int) -> dict[str, Any]:
         snap = api.get(f"/v1/snapshots/{snap_id}").json()
         arts = {a["name"]: a["size"] for a in (snap.get("details") or {}).get("artifacts") or []}
 
+        os.sync()
         r_ms, r_op = side.act(f"/v1/sandboxes/{sid}/restore", "restore")
 
         # Intact: the file, the process, its memory.
