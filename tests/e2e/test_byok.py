@@ -54,6 +54,7 @@ from tests.e2e.harness import (
 )
 from tests.e2e.test_lifecycle import act, sh, state
 from tests.e2e.test_s3 import CREDENTIALS, PREFIX, S3
+from tests.e2e.test_sdk_cli import cli
 from tests.e2e.test_snapshots_retained import take
 from tests.waiting import wait_for
 
@@ -403,3 +404,19 @@ def test_a_lost_nodes_sandbox_comes_back_from_its_backup_sealed_under_aws_kms(
         assert loop_devices(node.data_dir / "pool.img") == ""
         shutil.rmtree(scratch, ignore_errors=True)
 
+
+
+def test_the_cli_shows_and_sets_a_tenants_key_with_the_rewraps_progress(moto: Moto, srv: Server) -> None:
+    with srv.client() as admin:
+        tenant, api = _tenant(admin, admin, srv)
+        api.close()
+        arn = moto.new_key()
+        shown = cli(srv, "tenant", "key", "show", "--tenant", tenant, "--json")
+        assert json.loads(shown.stdout)["source"] == "default"
+        done = cli(srv, "tenant", "key", "set", "--tenant", tenant, "--kms", "aws", "--key-id", arn)
+        assert "re-wrapped 0 of 0" in done.stderr.decode(), done.stderr
+        assert f"aws-kms {arn}" in cli(srv, "tenant", "key", "show", "--tenant", tenant).stdout.decode()
+        refused = cli(srv, "tenant", "key", "set", "--tenant", tenant, "--kms", "aws", check=False)
+        assert refused.returncode != 0 and "--key-id" in refused.stderr.decode()
+        cli(srv, "tenant", "key", "set", "--tenant", tenant, "--kms", "default")
+        assert json.loads(cli(srv, "tenant", "key", "show", "--tenant", tenant, "--json").stdout)["key_id"] == tenant
