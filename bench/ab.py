@@ -194,11 +194,13 @@ def tree_for(commit: str, trees: Path, repo: Path = REPO) -> Path:
 
 
 _READY = ".space-compare-ready"
+BUILD_TARGETS = ("python", "gateway", "access")
 
 
 def prepare(commit: str, trees: Path, log: Callable[[str], None], repo: Path = REPO) -> Path:
-    """A work tree of ``commit`` with its virtualenvs built (``make python gateway access`` there),
-    reused while it is complete. This checkout (".") is used as it is."""
+    """A work tree of ``commit`` with its virtualenvs built (``make python gateway access`` there,
+    those of the targets its Makefile has), reused while it is complete. This checkout (".") is
+    used as it is."""
     tree = tree_for(commit, trees, repo)
     if commit == THIS_CHECKOUT:
         if not (tree / ".venv" / "bin" / "python").exists():
@@ -216,13 +218,16 @@ def prepare(commit: str, trees: Path, log: Callable[[str], None], repo: Path = R
         if done.returncode != 0:
             raise CompareError(f"git worktree add {tree} {commit[:12]} failed: {done.stderr.strip()}")
     build_log = tree / "compare-build.log"
-    log(f"building {commit[:12]} in {tree} (make python gateway access; log: {build_log}) ...")
+    # Older trees lack some of these targets (the gateway's venv and the service users came later).
+    makefile = (tree / "Makefile").read_text()
+    targets = [t for t in BUILD_TARGETS if re.search(rf"^{t}:", makefile, re.MULTILINE)]
+    log(f"building {commit[:12]} in {tree} (make {' '.join(targets)}; log: {build_log}) ...")
     # `make python` points /usr/local/bin/space at the tree it runs in: put the user's link back.
     cli_link = Path("/usr/local/bin/space")
     kept = os.readlink(cli_link) if cli_link.is_symlink() else None
     try:
         with build_log.open("w") as out:
-            done_make = subprocess.run(["make", "python", "gateway", "access"], cwd=tree, stdout=out,
+            done_make = subprocess.run(["make", *targets], cwd=tree, stdout=out,
                                        stderr=subprocess.STDOUT, env=scrubbed_env())
     finally:
         if kept is not None:
