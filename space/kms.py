@@ -27,6 +27,7 @@ import hashlib
 import os
 import re
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -201,20 +202,31 @@ class AwsKms:
         except ImportError:  # pragma: no cover - the kms-aws extra is in every venv make setup builds
             raise Unavailable("AWS KMS needs botocore: pip install 'space-sandbox[kms-aws]'") from None
         env = os.environ if env is None else env
-        session = botocore.session.get_session()
+        self._session = botocore.session.get_session()
         if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
             # Given explicitly; otherwise botocore's own chain (an instance role, IRSA's web identity).
-            session.set_credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                                    env.get("AWS_SESSION_TOKEN") or None)
-        self._client = session.create_client(
-            "kms", region_name=region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            endpoint_url=endpoint_url or env.get("SPACE_KMS_ENDPOINT") or None)
+            self._session.set_credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+                                          env.get("AWS_SESSION_TOKEN") or None)
+        self._region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        self._endpoint = endpoint_url or env.get("SPACE_KMS_ENDPOINT") or None
+        # Made on the first call, in its worker thread: making a client resolves credentials, and
+        # without explicit ones botocore's chain asks the instance metadata service (seconds of
+        # timeouts where there is none). A deployment no tenant of which uses AWS KMS never asks.
+        self._client: Any = None
+        self._making = threading.Lock()
+
+    def _client_now(self) -> Any:
+        with self._making:
+            if self._client is None:
+                self._client = self._session.create_client("kms", region_name=self._region,
+                                                           endpoint_url=self._endpoint)
+            return self._client
 
     def _call(self, op: str, key_id: str, **kw: Any) -> dict[str, Any]:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
-            result: dict[str, Any] = getattr(self._client, op)(**kw)
+            result: dict[str, Any] = getattr(self._client_now(), op)(**kw)
             return result
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
@@ -226,6 +238,11 @@ class AwsKms:
                 raise ObjectTampered("the wrapped data key does not open under its key for this snapshot",
                                      reason="wrapped_key") from None
             raise Unavailable(f"AWS KMS {op} failed: {code}: {message}"[:500], provider=AWS_KMS) from None
+        except NoCredentialsError:
+            # Not a passing outage: this deployment was given no way to call AWS KMS.
+            raise KeyUnavailable(f"AWS KMS key {key_id} cannot be used: this deployment has no AWS credentials "
+                                 "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, or an instance or "
+                                 "workload role)"[:500], key=key_id, provider=AWS_KMS) from None
         except BotoCoreError as exc:
             raise Unavailable(f"AWS KMS {op} failed: {exc}"[:500], provider=AWS_KMS) from None
 

@@ -53,9 +53,11 @@ _QUOTA_CHECKED = frozenset({
     ("post", "/v1/sandboxes/{sandbox_id}/snapshots"), ("post", "/v1/sandboxes/{sandbox_id}/suspend"),
     ("post", "/v1/templates"),
 })
-#: Operations that need a part of the deployment that may not be configured, or a node (503).
+#: Operations that need a part of the deployment that may not be configured, or a node (503): a
+#: tenant's key is checked by a node, at its KMS.
 _MAY_BE_UNAVAILABLE = re.compile(
-    r"^/v1/(secrets|templates/blobs|pools|nodes/(tokens|join))|^/v1/sandboxes(/\{sandbox_id\}/(snapshots|policy|restore|fork))?$")
+    r"^/v1/(secrets|templates/blobs|pools|nodes/(tokens|join)|tenants/\{tenant\}/key$)"
+    r"|^/v1/sandboxes(/\{sandbox_id\}/(snapshots|policy|restore|fork))?$")
 
 _DESCRIPTIONS = {
     400: "Invalid request (`invalid_request`, `invalid_path`)",

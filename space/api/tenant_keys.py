@@ -63,7 +63,7 @@ async def get_key(tenant: Tenant, who: Auth, st: St) -> dict[str, Any]:
     return await key_view(st, tenant)
 
 
-@router.put("/tenants/{tenant}/key")
+@router.put("/tenants/{tenant}/key", status_code=202)
 async def put_key(tenant: Tenant, body: KeyBody, who: Auth, st: St) -> JSONResponse:
     """Set the tenant's key (once a node made a data key under it); what it stores from now on is
     sealed under it, and the re-wrap of what it stored before is queued (``operation``)."""

@@ -10,10 +10,12 @@ moto's S3, under the local keyring:
 - a retry uploads under a fresh data key
 - the manifest's private part is encrypted, and opened only by a download
 - a rotation's re-wrap rewrites the manifest under the new key and nothing else
+- past the manifest's MAC, an edited private part or another snapshot's wrapped key opens nothing
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import AsyncIterator
@@ -182,3 +184,41 @@ async def test_a_rewrap_moves_the_data_key_under_the_new_key_and_leaves_the_arti
     await download_snapshot(store, PREFIX, dest, sealing=Sealing(keys, new, shred), **SEALED)
     for name, data in contents.items():
         assert (dest / name).read_bytes() == data
+
+
+async def test_a_resigned_manifest_with_an_edited_private_part_or_another_snapshots_key_opens_nothing(
+        store: ObjectStore, tmp_path: Path) -> None:
+    """Past the manifest's MAC (an attacker holding the manifest key, or a bug that skipped the
+    check), the encryption still binds: a private part edited byte for byte, or the wrapped key of
+    another snapshot of the same tenant under the same key, opens nothing and writes no file."""
+    keys, shred = _data_keys(os.urandom(32)), os.urandom(32)
+    sealing = Sealing(keys, KeyRef(LOCAL, "t1"), shred)
+    artifacts, _ = _inputs(tmp_path)
+    await upload_snapshot(store, PREFIX, artifacts, {}, private={"env": {"A": "1"}}, sealing=sealing, **SEALED)
+    other = "tenants/t1/sandboxes/sb-1/snapshots/snap-2"
+    other_bound = snapshot_binding(tenant="t1", sandbox_id="sb-1", snapshot_id="snap-2", prefix=other)
+    artifacts, _ = _inputs(tmp_path)
+    await upload_snapshot(store, other, artifacts, {}, sealing=sealing, keys=KEYS, binding=other_bound)
+    original = json.loads(await store.get_bytes(f"{PREFIX}/{MANIFEST}"))["body"]
+    other_key = json.loads(await store.get_bytes(f"{other}/{MANIFEST}"))["body"]["encryption"]["key"]
+
+    def flip_private(body: dict[str, object]) -> None:
+        meta = body["meta"]
+        assert isinstance(meta, dict)
+        raw = bytearray(base64.b64decode(meta[PRIVATE]["sealed"]))
+        raw[len(raw) // 2] ^= 1
+        meta[PRIVATE] = {"sealed": base64.b64encode(bytes(raw)).decode()}
+
+    def swap_key(body: dict[str, object]) -> None:
+        enc = body["encryption"]
+        assert isinstance(enc, dict)
+        enc["key"] = other_key
+
+    for edit in (flip_private, swap_key):
+        body = json.loads(json.dumps(original))
+        edit(body)
+        await store.put_bytes(f"{PREFIX}/{MANIFEST}", KEYS.seal(KIND_ENCRYPTED, body))
+        dest = tmp_path / f"restore-{edit.__name__}"
+        with pytest.raises((ObjectTampered, SnapshotCorrupt)):
+            await download_snapshot(store, PREFIX, dest, sealing=sealing, **SEALED)
+        assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*")), edit.__name__

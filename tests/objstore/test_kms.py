@@ -180,3 +180,51 @@ async def test_a_rotation_rewraps_a_data_key_across_providers_and_a_refusing_key
         await keys.rewrap(local, KeyRef(AWS_KMS, key_id), CONTEXT)
     with pytest.raises(KeyUnavailable):  # from one
         await keys.rewrap(moved, KeyRef(LOCAL, "acme"), CONTEXT)
+
+
+async def test_an_aws_kms_provider_without_credentials_asks_the_metadata_service_only_when_a_key_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node and API process makes the provider at start; without explicit credentials,
+    botocore's chain asks the instance metadata service. That must wait for a tenant's AWS key:
+    a deployment that uses none never sends a request there (nor waits on one)."""
+    import socket
+    import threading
+
+    asked: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    asked.append(conn.recv(4096))
+                except OSError:
+                    asked.append(b"")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}/")
+    monkeypatch.setenv("AWS_METADATA_SERVICE_TIMEOUT", "1")
+    monkeypatch.setenv("AWS_METADATA_SERVICE_NUM_ATTEMPTS", "1")
+    try:
+        provider = AwsKms(env={}, endpoint_url="http://127.0.0.1:9")
+        assert asked == []
+        # The first use of a key resolves credentials: that is when the chain may ask.
+        with pytest.raises(KeyUnavailable, match="this deployment has no AWS credentials"):
+            await provider.generate("arn:aws:kms:us-east-1:000000000000:key/k", CONTEXT)
+        assert asked and b"169.254.169.254" not in asked[0], asked
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        listener.close()

@@ -124,9 +124,10 @@ def own_cache(scratch: Path) -> Path:
 
 
 @contextlib.contextmanager
-def deployment(kind: str, tmp: Path) -> Iterator[Deployment]:
+def deployment(kind: str, tmp: Path, *, encrypt: bool = True) -> Iterator[Deployment]:
     """A ``space serve`` whose object store is a local directory (``dir``) or a moto S3 bucket
-    (``s3``, credentials in the environment as in production)."""
+    (``s3``, credentials in the environment as in production); ``encrypt=False`` runs it with
+    ``--no-object-encryption``."""
     moto: ThreadedMotoServer | None = None
     env: dict[str, str] = {}
     url = ""
@@ -145,6 +146,8 @@ def deployment(kind: str, tmp: Path) -> Iterator[Deployment]:
         with own_server(tmp, env=env, start=False) as srv:
             scratch = srv.data_dir.parent
             srv.extra_args += ["--cache-dir", str(own_cache(scratch))]
+            if not encrypt:
+                srv.extra_args += ["--no-object-encryption"]
             if kind == "s3":
                 srv.extra_args += ["--object-store-url", url]
             else:

@@ -54,7 +54,12 @@ MARK = "/home/user/mark"
 
 @pytest.fixture(scope="module", params=["dir", "s3"])
 def dep(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    with deployment(str(request.param), tmp_path_factory.mktemp(f"tamper-{request.param}")) as d:
+    # Without object encryption: these are the attacks on sealing (authenticated manifests and
+    # template streams) as it stands alone, on objects whose fields an attacker can read and edit,
+    # and the migration of objects written before sealing, which were never encrypted either. The
+    # encrypted form's refusals (frames flipped, swapped or cut, a rewritten private part, a
+    # swapped wrapped key) are in tests/node/test_artifacts_encrypted.py and tests/e2e/test_byok.py.
+    with deployment(str(request.param), tmp_path_factory.mktemp(f"tamper-{request.param}"), encrypt=False) as d:
         yield d
 
 
@@ -370,7 +375,11 @@ def test_a_tampered_retained_snapshot_is_refused_for_a_rollback_and_a_new_sandbo
         saved = Saved.take(dep.bucket, f"tenants/default/snapshots/{snap}")
 
         def env(doc: Any) -> None:
-            found = list(entries(doc, lambda d: d.get("id") == snap and "env" in d))
+            # The environment is the manifest's private part, beside the snapshot's description
+            # (plain here: no object encryption).
+            found = [d["private"] for d in entries(doc, lambda d: isinstance(d.get("snapshot"), dict)
+                                                   and d["snapshot"].get("id") == snap
+                                                   and isinstance(d.get("private"), dict) and "env" in d["private"])]
             assert found, doc
             for e in found:
                 e["env"]["LD_PRELOAD"] = "/tmp/evil.so"
