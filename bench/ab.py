@@ -107,9 +107,7 @@ def leaves(tree: Any, path: str = "") -> Iterator[tuple[str, float]]:
 
 def metrics(result: dict[str, Any]) -> dict[str, float]:
     """The compared leaves of one ``bench/run`` result."""
-    return {k: v for k, v in leaves(result)
-            if _WANTED.search(k) and not _SKIPPED.search(k) and not k.startswith(("plan.", "machine."))
-            and ".plan." not in k and math.isfinite(v)}
+    return {k: v for k, v in leaves(result) if _WANTED.search(k) and not _SKIPPED.search(k) and math.isfinite(v)}
 
 
 def higher_is_better(metric: str) -> bool:
@@ -311,15 +309,14 @@ class Comparison:
     out: Path
     runs: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=lambda: {"A": [], "B": []})
     log: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-    def rows(self) -> list[Row]:
-        return rows(self.runs["A"], self.runs["B"])
+    #: The table's rows, once every run is in (each one a bootstrap: made once).
+    found: list[Row] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
             "sides": {s.label: {"rev": s.rev, "commit": s.commit, "tree": str(s.tree)} for s in self.sides},
             "parts": self.parts, "extra_args": self.extra, "runs": self.log,
-            "rows": [{**dataclasses.asdict(r), "verdict": r.verdict} for r in self.rows()],
+            "rows": [{**dataclasses.asdict(r), "verdict": r.verdict} for r in self.found],
         }
 
 
@@ -342,8 +339,8 @@ def compare(sides: tuple[Side, Side], parts: str, extra: Sequence[str], rounds: 
         cmp.runs[label].append(result)
         cmp.log.append({"side": label, "run": n, "seconds": round(time.monotonic() - t0, 1),
                         "load_before": round(load, 2)})
-    md = table(sides, cmp.rows())
-    (out / "compare.md").write_text(md + "\n")
+    cmp.found = rows(cmp.runs["A"], cmp.runs["B"])
+    (out / "compare.md").write_text(table(sides, cmp.found) + "\n")
     (out / "compare.json").write_text(json.dumps(cmp.summary(), indent=2))
     return cmp
 
@@ -354,6 +351,16 @@ def from_directory(where: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
         files = sorted(where.glob(f"{prefix}-*.json"), key=lambda p: int(p.stem.split("-")[1]))
         return [json.loads(p.read_text()) for p in files]
     return load("a"), load("b")
+
+
+def saved_sides(where: Path) -> tuple[Side, Side]:
+    """The sides a comparison saved in ``where`` (compare.json); placeholders without it."""
+    saved = where / "compare.json"
+    if not saved.exists():
+        return Side("A", "A", "?", where), Side("B", "B", "?", where)
+    s = json.loads(saved.read_text())["sides"]
+    a, b = (Side(label, s[label]["rev"], s[label]["commit"], Path(s[label]["tree"])) for label in ("A", "B"))
+    return a, b
 
 
 def default_out(a: Side, b: Side, parts: str, rounds: int) -> Path:
