@@ -3,15 +3,17 @@
 The authoritative check is inside the store's insert transaction. This one exists so that a tenant at
 its limit is refused *before* a warm sandbox is claimed for it (a claim the insert then refuses would
 throw the warm sandbox away: a tenant hammering creates at its limit would drain the pools of every
-tenant). Limits are cached per tenant for ``ttl`` seconds, so a tenant without limits (the common
-case) pays nothing; a limit changed through another replica is seen here within ``ttl`` (the insert
+tenant). Limits are at most ``ttl`` seconds old when used, and read again in the background for the tenants
+used lately (:class:`space.controller.fresh.Fresh`), so a tenant without limits (the common case)
+pays nothing; a limit changed through another replica is seen here within ``ttl`` (the insert
 enforces it at once either way).
 """
 
 from __future__ import annotations
 
-import time
+import weakref
 
+from space.controller.fresh import Fresh
 from space.store import Store
 from space.store.quotas import Limits, QuotaDemand, relevant
 
@@ -20,25 +22,28 @@ class QuotaCache:
     def __init__(self, ttl: float = 5.0, max_entries: int = 10_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
-        self._rows: dict[str, tuple[float, Limits | None]] = {}
+        self._caches: weakref.WeakKeyDictionary[Store, Fresh[str, Limits | None]] = weakref.WeakKeyDictionary()
+
+    def _of(self, store: Store) -> Fresh[str, Limits | None]:
+        cache = self._caches.get(store)
+        if cache is None:
+            async def load(tenant: str) -> Limits | None:
+                return (await store.effective_quota(tenant))[0]
+            cache = self._caches[store] = Fresh("quota_limits", load, ttl=self.ttl, max_entries=self.max_entries)
+        return cache
 
     async def limits(self, store: Store, tenant: str) -> Limits | None:
         """The limits that hold for ``tenant`` (its own, or the defaults)."""
-        hit = self._rows.get(tenant)
-        if hit is not None and hit[0] > time.monotonic():
-            return hit[1]
-        row, _ = await store.effective_quota(tenant)
-        if len(self._rows) >= self.max_entries:
-            self._rows.clear()
-        self._rows[tenant] = (time.monotonic() + self.ttl, row)
-        return row
+        return await self._of(store).get(tenant)
 
     def invalidate(self, tenant: str) -> None:
-        self._rows.pop(tenant, None)
+        for cache in list(self._caches.values()):
+            cache.forget(tenant)
 
     def invalidate_all(self) -> None:
         """The defaults changed: every tenant on them is affected."""
-        self._rows.clear()
+        for cache in list(self._caches.values()):
+            cache.clear()
 
     async def precheck(self, store: Store, tenant: str, demand: QuotaDemand) -> None:
         """QuotaExceeded if ``demand`` would pass one of the tenant's limits now."""

@@ -12,11 +12,12 @@ agent → gateway memory.
 
 from __future__ import annotations
 
-import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from space.controller.fresh import Fresh
 from space.store import Sandbox
 from space.store.repo import Store
 
@@ -25,21 +26,25 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Tenant defaults are read at most this often per tenant (a change applies to new placements).
+#: Tenant defaults are at most this old when used (a change applies to new placements); the
+#: tenants used lately are read again in the background (:class:`space.controller.fresh.Fresh`).
 TENANT_DEFAULT_TTL = 1.0
 
-_tenant_limits: dict[str, tuple[float, tuple[dict[str, Any], list[str] | None]]] = {}
+_tenant_limits: weakref.WeakKeyDictionary[Store, Fresh[str, tuple[dict[str, Any], list[str] | None]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _limits_of(store: Store) -> Fresh[str, tuple[dict[str, Any], list[str] | None]]:
+    cache = _tenant_limits.get(store)
+    if cache is None:
+        cache = _tenant_limits[store] = Fresh("tenant_egress_limits", store.tenant_egress_limits,
+                                              ttl=TENANT_DEFAULT_TTL)
+    return cache
 
 
 async def tenant_limits(store: Store, tenant: str) -> tuple[dict[str, Any], list[str] | None]:
     """The tenant's default egress policy and its ceiling (None: the deployment's)."""
-    hit = _tenant_limits.get(tenant)
-    now = time.monotonic()
-    if hit is not None and hit[0] > now:
-        return hit[1]
-    found = await store.tenant_egress_limits(tenant)
-    _tenant_limits[tenant] = (now + TENANT_DEFAULT_TTL, found)
-    return found
+    return await _limits_of(store).get(tenant)
 
 
 async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
@@ -47,7 +52,8 @@ async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
 
 
 def forget_tenant_default(tenant: str) -> None:
-    _tenant_limits.pop(tenant, None)
+    for cache in list(_tenant_limits.values()):
+        cache.forget(tenant)
 
 
 async def egress_config(store: Store, credentials: CredentialManager | None, sb: Sandbox, *,

@@ -10,6 +10,7 @@ import structlog
 
 from space.cluster.identity import ControlPlaneTLS
 from space.controller import placement
+from space.controller.fresh import Fresh
 from space.errors import NotFound, Unavailable
 from space.node.api.client import NodeClient
 from space.store import Node, Store
@@ -42,31 +43,29 @@ class NodeRegistry:
         self._clients: dict[str, _Cached] = {}
         self.rows_ttl = rows_ttl
         self._closing: set[asyncio.Task[None]] = set()
-        self._rows: tuple[float, list[Node]] | None = None
-        self._rows_lock = asyncio.Lock()
+        # (No nodes is never cached: the first node to register is used at once.)
+        self._rows: Fresh[str, list[Node]] = Fresh("node_rows", self._placeable, ttl=rows_ttl, cacheable=bool)
 
     async def placeable_rows(self) -> list[Node]:
         """The rows of the nodes new sandboxes may go to (ready, not cordoned), at most
         ``rows_ttl`` seconds old: the create hot path reads them on every call, and placement
-        tolerates heartbeats that are seconds old anyway."""
-        if self._fresh():
-            assert self._rows is not None
-            return self._rows[1]
-        async with self._rows_lock:  # a burst after a quiet spell reads them once, not once per call
-            if not self._fresh():
-                # (No nodes is never cached: the first node to register is used at once.)
-                self._rows = (time.monotonic(),
-                              [n for n in await self.store.list_nodes("ready") if not n.cordoned])
-            assert self._rows is not None
-            return self._rows[1]
+        tolerates heartbeats that are seconds old anyway. While creates come, they are read again
+        in the background before they get older (no read on the request's path)."""
+        return await self._rows.get(PLACEABLE)
+
+    async def _placeable(self, _: str) -> list[Node]:
+        return [n for n in await self.store.list_nodes("ready") if not n.cordoned]
 
     def invalidate_rows(self) -> None:
         """Forget the cached rows (this replica just changed what they say)."""
-        self._rows = None
+        self._rows.forget(PLACEABLE)
 
-    def _fresh(self) -> bool:
-        return (self._rows is not None and bool(self._rows[1])
-                and time.monotonic() - self._rows[0] <= self.rows_ttl)
+    def _row_at_hand(self, node_id: str) -> Node | None:
+        """The node's row from the placeable rows, if they are fresh (no read)."""
+        for n in self._rows.peek(PLACEABLE) or ():
+            if n.id == node_id:
+                return n
+        return None
 
     async def client(self, node_id: str) -> NodeClient:
         cached = self._clients.get(node_id)
@@ -74,11 +73,14 @@ class NodeRegistry:
         generation = self.tls.generation if self.tls is not None else 0
         if cached is not None and now - cached.checked_at <= self.rows_ttl and cached.identity[3] == generation:
             return cached.client
-        try:
-            row = await self.store.get_node(node_id)
-        except NotFound:
-            await self.forget(node_id)
-            raise Unavailable(f"node {node_id} is not registered") from None
+        # The row the placement just read serves as well as a read of its own.
+        row = self._row_at_hand(node_id)
+        if row is None:
+            try:
+                row = await self.store.get_node(node_id)
+            except NotFound:
+                await self.forget(node_id)
+                raise Unavailable(f"node {node_id} is not registered") from None
         tls = self.tls.context() if self.tls is not None and row.url.startswith("https://") else None
         identity = (row.url, row.token, row.key_sha256, self.tls.generation if self.tls is not None else 0)
         if cached is not None and cached.identity == identity:
@@ -133,6 +135,7 @@ class NodeRegistry:
         return out
 
     async def aclose(self) -> None:
+        await self._rows.aclose()
         for cached in self._clients.values():
             await cached.client.aclose()
         self._clients.clear()
@@ -140,6 +143,9 @@ class NodeRegistry:
             task.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
+
+#: The key of the placeable rows in their cache.
+PLACEABLE = "placeable"
 
 #: How long a replaced client stays open for the calls that were made on it.
 RETIRE_AFTER = 300.0
