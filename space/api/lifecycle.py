@@ -1,7 +1,8 @@
 """Lifecycle actions on a sandbox: pause, resume, suspend, restore, rollback, fork; its events.
 
 Each action is checked against the state machine here (409 naming the state and the allowed
-actions), recorded as an operation, and carried out by the controller. Actions that have an
+actions), recorded as an operation, and carried out by the controller (pause and resume by this
+replica's, at once: :data:`CARRIED_OUT_HERE`). Actions that have an
 in-between state (suspending, restoring) enter it at once, so that the sandbox's state tells the
 truth while the work runs.
 """
@@ -30,6 +31,14 @@ St = Annotated[AppState, Depends(app_state)]
 IdemKey = Annotated[str | None, Header(max_length=256)]
 
 MAX_FORKS = 16
+
+#: Operations a millisecond's work on the node (the freezer): the replica that accepts one claims
+#: it in the same write and carries it out itself, unless another operation on the sandbox is
+#: queued ahead of it (then the controllers do, in order). Through the queue the claim alone took
+#: longer than the pause (issue 18: 55 ms a pause, 14 of them waiting to be claimed).
+CARRIED_OUT_HERE = frozenset({"sandbox.pause", "sandbox.resume"})
+#: How long the request waits for such an operation; it answers with the operation as it stands.
+HERE_WAIT = 10.0
 
 
 class RestoreBody(BaseModel):
@@ -80,10 +89,17 @@ async def enqueue_action(
                    idempotency_key=idempotency_key, request={**request, "from_state": str(sb.state)})
     target = ACTION_TARGET[action]
     move_to = target if target in (State.SUSPENDING, State.RESTORING) else None
+    here = kind in CARRIED_OUT_HERE
     # The operation, its snapshot row and the in-between state are one write: no state is ever
     # left without the operation that finishes it.
-    sb, op, created = await st.store.start_operation(op, move_to=move_to, expect=[sb.state], snapshot=snapshot)
-    if created:
+    sb, op, created = await st.store.start_operation(
+        op, move_to=move_to, expect=[sb.state], snapshot=snapshot,
+        claim_for=(st.controller.owner, st.controller.lease_seconds) if here else None)
+    if created and op.status == "running" and op.lease_owner == st.controller.owner:
+        op = await st.controller.carry_out_here(op, wait=HERE_WAIT)
+        if op.status in ("succeeded", "failed"):
+            sb = await st.store.get_sandbox(sandbox_id)
+    elif created:
         st.controller.wake()
     return sb, op
 

@@ -131,7 +131,7 @@ class Controller:
         self.template_specs = template_specs or {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
-        self._running: set[asyncio.Task[None]] = set()
+        self._running: set[asyncio.Task[Any]] = set()
         #: Waiters of operations in this process (long-polls, stream waits), woken by whichever
         #: controller finishes the operation through :attr:`wakeups`; they poll the store as well.
         self._waiters: dict[str, set[asyncio.Event]] = {}
@@ -278,7 +278,26 @@ class Controller:
             task.add_done_callback(self._running.discard)
         return claimed_any
 
-    async def _execute(self, op: Operation) -> None:
+    async def carry_out_here(self, op: Operation, *, wait: float) -> Operation:
+        """Carry out ``op``, which this replica claimed as it recorded it (``claim_for`` of
+        :meth:`Store.start_operation`), here and now: under its lease and fencing like any claimed
+        operation, without the round trip through the queue (a pause is a millisecond's work on
+        the node; the claim would be most of it). Returns the operation once finished, or as it
+        stands after ``wait`` seconds (it goes on; a crash leaves its lease to expire, and a
+        controller carries it out again)."""
+        assert op.status == "running" and op.lease_owner == self.owner, "claimed by this replica first"
+        await self._slots.acquire()
+        task = asyncio.create_task(self._execute(op), name=f"op:{op.id}")
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        done, _ = await asyncio.wait({task}, timeout=wait)
+        if task in done and not task.cancelled() and task.exception() is None:
+            finished = task.result()
+            if finished is not None:
+                return finished
+        return op
+
+    async def _execute(self, op: Operation) -> Operation | None:
         """Run ``op``'s handler under its lease and record the outcome as the lease's holder.
 
         The lease is this controller's licence to work on ``op``: when it is lost (another
@@ -293,26 +312,27 @@ class Controller:
         try:
             # Every write of the handler is fenced by the lease (the keeper, started before, is not).
             with fencing.fenced(op.id, self.owner):
-                await self._carry_out(op, bound)
+                return await self._carry_out(op, bound)
         except asyncio.CancelledError:
             if lost.is_set() and me.uncancel() == 0:
                 bound.warning("operation.fenced", hint="its lease was lost: the holder finishes it")
-                return
+                return None
             raise
         except LeaseLost as exc:
             bound.warning("operation.fenced", lease_owner=exc.details.get("lease_owner"))
+            return None
         finally:
             keeper.cancel()
             self._slots.release()
             self.wakeups.post(OPERATION_FINISHED, op.id)
 
-    async def _carry_out(self, op: Operation, bound: Any) -> None:
+    async def _carry_out(self, op: Operation, bound: Any) -> Operation | None:
+        """The operation as finished, or None when it was left for a retry."""
         t0 = time.perf_counter()
         handler = self._handlers.get(op.kind)
         if handler is None:
-            await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
-                                              error_message=f"unknown operation kind {op.kind}")
-            return
+            return await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
+                                                     error_message=f"unknown operation kind {op.kind}")
         try:
             # One operation at a time per target, in order, is the claim's rule
             # (Store.claim_operation), across every replica.
@@ -323,21 +343,20 @@ class Controller:
             if exc.retryable and op.attempts < MAX_ATTEMPTS:
                 # Leave it running: the lease expires and a later claim retries it.
                 bound.warning("operation.retry", error=str(exc))
-                return
+                return None
             bound.warning("operation.failed", error=str(exc))
             await self._on_failure(op, exc)
-            await self.store.finish_operation(op.id, "failed", error_code=exc.code, owner=self.owner,
-                                              error_message=exc.message)
-            return
+            return await self.store.finish_operation(op.id, "failed", error_code=exc.code, owner=self.owner,
+                                                     error_message=exc.message)
         except Exception as exc:
             bound.exception("operation.crashed")
             err = Internal(f"unexpected error: {exc!r}")
             await self._on_failure(op, err)
-            await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
-                                              error_message=err.message)
-            return
-        await self.store.finish_operation(op.id, "succeeded", result=result or {}, owner=self.owner)
+            return await self.store.finish_operation(op.id, "failed", error_code="internal", owner=self.owner,
+                                                     error_message=err.message)
+        finished = await self.store.finish_operation(op.id, "succeeded", result=result or {}, owner=self.owner)
         bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
+        return finished
 
     async def _keep_lease(self, op: Operation, work: asyncio.Task[Any], lost: asyncio.Event) -> None:
         """Renew ``op``'s lease every third of its length; cancel ``work`` once it is lost, or once

@@ -79,6 +79,13 @@ class LifecycleOps:
         await self.store.add_event(sb.id, sb.tenant, what, message, data)
         log.info("sandbox.event", sandbox=sb.id, what=what, message=message)
 
+    async def moved(self, sb: Sandbox, state: State, *, expect: list[State], event: tuple[str, str, dict[str, Any]],
+                    **fields: Any) -> Sandbox:
+        """The sandbox's new state and the event that says so, in one write."""
+        moved = await self.store.set_sandbox_state(sb.id, state, expect=expect, event=event, **fields)
+        log.info("sandbox.event", sandbox=sb.id, what=event[0], message=event[1])
+        return moved
+
     # -- pause / resume ------------------------------------------------------------------------
 
     async def pause(self, op: Operation) -> dict[str, Any]:
@@ -88,9 +95,9 @@ class LifecycleOps:
                 raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
             node = await self._node_of(sb)
             await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
-            sb = await self.store.set_sandbox_state(sb.id, State.PAUSED, expect=[State.RUNNING])
             why = "idle" if op.request.get("idle") else "request"
-            await self.event(sb, "paused", f"paused ({why})", reason=why)
+            sb = await self.moved(sb, State.PAUSED, expect=[State.RUNNING],
+                                  event=("paused", f"paused ({why})", {"reason": why}))
         return {"sandbox_id": sb.id, "state": str(sb.state)}
 
     async def resume(self, op: Operation) -> dict[str, Any]:
@@ -100,9 +107,11 @@ class LifecycleOps:
                 raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
             node = await self._node_of(sb)
             await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
-            sb = await self.store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.PAUSED])
-            await self.event(sb, "resumed", "resumed" + (" by a call that needed it" if op.request.get("wake") else ""))
-        await self.store.touch_sandbox(sb.id, _now())
+            sb = await self.moved(sb, State.RUNNING, expect=[State.PAUSED], last_active_at=_now(),
+                                  event=("resumed", "resumed" + (" by a call that needed it" if op.request.get("wake")
+                                                                 else ""), {}))
+        else:
+            await self.store.touch_sandbox(sb.id, _now())
         return {"sandbox_id": sb.id, "state": str(sb.state)}
 
     # -- snapshots -----------------------------------------------------------------------------

@@ -51,9 +51,17 @@ class RuntimeDriver(Protocol):
         image was taken with); the instance id must be new."""
 
     async def pause(self, instance_id: str) -> None:
-        """Freeze every process of the instance (no CPU), memory kept."""
+        """Stop the instance through the runtime (its sentry answers, its guest runs nothing) and
+        freeze it as well (no CPU), memory kept: what a checkpoint of a paused instance needs."""
 
-    async def resume(self, instance_id: str) -> None: ...
+    async def resume(self, instance_id: str) -> None:
+        """Undo :meth:`pause`."""
+
+    async def hold(self, instance_id: str) -> None:
+        """Stop every thread of the instance where it stands (the cgroup freezer, as
+        :meth:`freeze`) and return once all have stopped: a pause that costs no CPU, undone by
+        :meth:`thaw`. The runtime does not know: whatever needs its sentry (a checkpoint) must
+        :meth:`thaw` and :meth:`pause` first."""
 
     async def checkpoint(self, instance_id: str, image: Path) -> None:
         """Write the instance's memory state to ``image``, leaving it running (or paused) as it was."""

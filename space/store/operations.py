@@ -114,8 +114,7 @@ class OperationStore(StoreBase):
             op.created_at = op.updated_at = await self._db_now(s)
 
     async def get_operation(self, op_id: str, tenant: str | None = None) -> Operation:
-        async with self._tx(write=False) as s:
-            op = await s.get(Operation, op_id)
+        op = await self._by_key(Operation, op_id)
         if op is None or (tenant is not None and op.tenant != tenant):
             raise NotFound(f"operation {op_id} not found")
         return op
@@ -193,6 +192,12 @@ class OperationStore(StoreBase):
                     log.debug("operation claimed", op_id=cand, owner=owner, attempts=claimed.attempts)
                     return claimed
         return None
+
+    async def _target_busy(self, s: AsyncSession, target: str) -> bool:
+        """Whether an operation on ``target`` is pending or running (a new one would queue)."""
+        found = await s.scalar(select(Operation.id).where(Operation.target == target,
+                                                          Operation.status.in_(OPERATION_ACTIVE)).limit(1))
+        return found is not None
 
     async def renew_lease(self, op_id: str, owner: str, lease_seconds: float) -> bool:
         """Extend ``owner``'s lease; False if the operation is no longer running under it."""

@@ -16,7 +16,7 @@ from space.errors import Conflict, InvalidRequest, InvalidState, NotFound
 from space.lifecycle import State, allowed_actions, transition
 from space.store import quotas
 from space.store.base import _require_aware, _translate_errors
-from space.store.models import Base, Operation, Sandbox, Snapshot, utcnow
+from space.store.models import Base, Operation, Sandbox, SandboxEvent, Snapshot, utcnow
 from space.store.operations import OperationStore, _link_request, _prepare_operation, _same_tenant
 from space.store.snapshots import _prepare_snapshot
 from space.store.tenants import TenantStore
@@ -121,8 +121,7 @@ class SandboxStore(OperationStore, TenantStore):
 
     async def get_sandbox(self, sandbox_id: str, tenant: str | None = None) -> Sandbox:
         """A sandbox; another tenant's is NotFound, exactly like a missing one."""
-        async with self._tx(write=False) as s:
-            sb = await s.get(Sandbox, sandbox_id)
+        sb = await self._by_key(Sandbox, sandbox_id)
         if sb is None or (tenant is not None and sb.tenant != tenant):
             raise NotFound(f"sandbox {sandbox_id} not found")
         return sb
@@ -149,18 +148,25 @@ class SandboxStore(OperationStore, TenantStore):
         state: State | str,
         *,
         expect: State | str | Sequence[State | str] | None = None,
+        event: tuple[str, str, dict[str, Any]] | None = None,
         **fields: Any,
     ) -> Sandbox:
         """Move a sandbox to ``state`` (checked by :func:`space.lifecycle.transition`).
 
         ``expect`` makes it a compare-and-set: unless the current state is one of those given,
-        InvalidState is raised and nothing changes. ``fields`` are set in the same write.
+        InvalidState is raised and nothing changes. ``fields`` are set in the same write, and so
+        is ``event`` (kind, message, data) on its timeline.
         """
         _check_sandbox_fields(fields)
         expected = None if expect is None else _states(expect)
         async with self._tx() as s:
             sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
-            _move(sb, state, expected, utcnow(), fields)
+            now = utcnow()
+            _move(sb, state, expected, now, fields)
+            if event is not None:
+                kind, message, data = event
+                s.add(SandboxEvent(sandbox_id=sb.id, tenant=sb.tenant, at=now, kind=kind, message=message,
+                                   data=dict(data)))
             return sb
 
     async def clear_eviction(self, sandbox_id: str, node_id: str) -> None:
@@ -224,11 +230,17 @@ class SandboxStore(OperationStore, TenantStore):
         move_to: State | None = None,
         expect: State | str | Sequence[State | str] | None = None,
         snapshot: Snapshot | None = None,
+        claim_for: tuple[str, float] | None = None,
     ) -> tuple[Sandbox, Operation, bool]:
         """Record ``op`` on the sandbox ``op.target`` and, in the same transaction, insert the
         ``snapshot`` it makes and move the sandbox to ``move_to`` (a compare-and-set against
         ``expect``): a crash leaves all of it or none, never a state without the operation that
-        finishes it. An idempotency key the tenant already used returns the earlier operation."""
+        finishes it. An idempotency key the tenant already used returns the earlier operation.
+
+        ``claim_for=(owner, lease_seconds)``: the operation is claimed by ``owner`` in the same
+        write (``running``, its lease, attempt 1), as :meth:`claim_operation` would, when no other
+        operation on the sandbox is pending or running; else it is left pending for the
+        controllers. The sandbox row's lock orders this against every other write on it."""
         now = utcnow()
         _prepare_operation(op, now)
         if snapshot is not None:
@@ -254,6 +266,11 @@ class SandboxStore(OperationStore, TenantStore):
                 if move_to is not None:
                     _move(sb, move_to, expected, now)
                 await self._stamp_accepted(s, op)  # after the row lock: the order they got it in
+                if claim_for is not None and not await self._target_busy(s, op.target):
+                    owner, lease_seconds = claim_for
+                    db_now = await self._db_now(s)
+                    op.status, op.lease_owner, op.attempts = "running", owner, 1
+                    op.lease_expires_at = db_now + dt.timedelta(seconds=lease_seconds)
                 s.add_all([*([snapshot] if snapshot is not None else []), op])
                 return sb, op, True
         except InvalidState:

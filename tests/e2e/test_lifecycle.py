@@ -64,6 +64,29 @@ def test_pause_freezes_and_resume_continues_from_memory(api: httpx.Client) -> No
     api.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_a_pause_is_done_when_its_request_answers_and_a_full_snapshot_of_it_keeps_its_memory(
+        api: httpx.Client) -> None:
+    """The replica that accepts a pause carries it out (the freezer alone): the answer already
+    says succeeded. A full snapshot of the frozen sandbox needs its runtime to hold it instead;
+    resuming after that continues from memory, and so does a rollback to that snapshot."""
+    sid = create_sandbox(api)
+    cid = start_counter(api, sid)
+    r = api.post(f"/v1/sandboxes/{sid}/pause")
+    assert r.status_code == 202, r.text
+    assert r.json()["operation"]["status"] == "succeeded" and r.json()["sandbox"]["state"] == "paused", r.json()
+    snap = snapshot(api, sid, "full")
+    assert state(api, sid) == "paused"
+    act(api, sid, "resume")
+    first = count(api, sid)
+    wait_for(lambda: count(api, sid) > first + 3, 30, "the counter to continue after the snapshot")
+    assert api.post(f"/v1/sandboxes/{sid}/commands/{cid}/signal", json={"signal": "KILL"}).status_code == 204
+    sh(api, sid, "rm -f /tmp/count")
+    act(api, sid, "rollback", {"snapshot": snap})
+    wait_for(lambda: count(api, sid) > 0, 30, "the counter to run again")
+    assert count(api, sid) >= first - 20, first
+    api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_an_api_call_to_a_paused_sandbox_resumes_it(api: httpx.Client) -> None:
     sid = create_sandbox(api)
     act(api, sid, "pause")

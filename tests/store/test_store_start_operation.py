@@ -65,3 +65,27 @@ async def test_without_a_state_change_it_only_records(store: Store) -> None:
     sid = await running(store)
     sb, op, created = await store.start_operation(new_op(kind="sandbox.pause", target=sid))
     assert created and sb.state == State.RUNNING and op.status == "pending"
+
+
+async def test_claim_for_claims_the_operation_in_the_same_write_when_nothing_is_ahead(store: Store) -> None:
+    sb, create, _ = await store.create_sandbox(new_sandbox(), new_op())
+    await store.set_sandbox_state(sb.id, State.RUNNING)
+    await store.finish_operation(create.id, "succeeded")
+    op = new_op(kind="sandbox.pause", target=sb.id)
+    _, got, created = await store.start_operation(op, expect=[State.RUNNING], claim_for=("api-1", 30.0))
+    assert created and (got.status, got.lease_owner, got.attempts) == ("running", "api-1", 1)
+    stored = await store.get_operation(op.id)
+    assert (stored.status, stored.lease_owner) == ("running", "api-1") and stored.lease_expires_at is not None
+    # No controller takes it from under its holder while the lease lives.
+    assert await store.claim_operation("ctl-2", 30.0) is None
+
+
+async def test_claim_for_leaves_it_queued_behind_an_operation_ahead_on_the_sandbox(store: Store) -> None:
+    sb, create, _ = await store.create_sandbox(new_sandbox(), new_op())  # the create is still pending
+    await store.set_sandbox_state(sb.id, State.RUNNING)
+    op = new_op(kind="sandbox.pause", target=sb.id)
+    _, got, created = await store.start_operation(op, expect=[State.RUNNING], claim_for=("api-1", 30.0))
+    assert created and got.status == "pending" and got.lease_owner is None
+    # The controllers take them in order: the create first.
+    first = await store.claim_operation("ctl-2", 30.0)
+    assert first is not None and first.id == create.id

@@ -104,6 +104,11 @@ class LocalSandbox:
     #: plane's ``unfence`` lets it run again (as ``fenced_from`` says), nothing else resumes it.
     fenced: bool = False
     fenced_from: str | None = None
+    #: Paused by the cgroup freezer alone (:meth:`RuntimeDriver.hold`): resuming it is a thaw.
+    #: False for one the runtime itself holds paused (a checkpoint needed its sentry), and for
+    #: records of agents before this field, which paused through the runtime: resuming it is
+    #: ``runsc resume`` as well.
+    held: bool = False
 
     def public(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -252,8 +257,11 @@ class SandboxManager:
                     self.driver.freeze(sb.instance_id)
                     sb.status = "paused"
                     self._save(sb)
+                elif sb.status == "paused" and sb.held:
+                    self.driver.freeze(sb.instance_id)  # paused by the freezer: it stays so
                 elif sb.status != "stopping":
                     sb.status = "paused" if live == "paused" else "running"
+                    sb.held = False
                 if sb.status == "running" and not sb.warm:
                     # Claimed just before a stop, before it was woken: it must not stay frozen.
                     self.driver.thaw(sb.instance_id)
@@ -269,6 +277,7 @@ class SandboxManager:
             await self.egress.network.readmit(nets)
             await self.egress.network.sweep({n.netns for n in nets})
             await self.reapply_egress()
+            self.egress.network.keep_spares()  # the first create after a start need not make one
         for inst in instances:
             if inst not in known:
                 log.warning("instance.orphan_removed", instance=inst)
@@ -392,8 +401,7 @@ class SandboxManager:
         assert sb.instance_id
         net = None
         if self.egress is not None:
-            net = await self.egress.network.attach(self._dir(sb.id))
-            await self.egress.network.prepare(net)
+            net = await self.egress.network.ready(self._dir(sb.id))
             if image is None:  # a restored root has it already (and its open files must not change)
                 ca = self.egress.ca_cert()
                 await self.pool.priv.call("rootfs.configure_net", {
@@ -613,8 +621,8 @@ class SandboxManager:
                 return sb
             self._require(sb, "running", "pause")
             assert sb.instance_id
-            await self.driver.pause(sb.instance_id)
-            sb.status = "paused"
+            await self.driver.hold(sb.instance_id)
+            sb.status, sb.held = "paused", True
             self._save(sb)
             log.info("sandbox.paused", sandbox=sandbox_id)
             return sb
@@ -678,8 +686,11 @@ class SandboxManager:
                                    allowed=[])
             self._require(sb, "paused", "resume")
             assert sb.instance_id
-            await self.driver.resume(sb.instance_id)
-            sb.status = "running"
+            if sb.held:
+                self.driver.thaw(sb.instance_id)
+            else:
+                await self.driver.resume(sb.instance_id)
+            sb.status, sb.held = "running", False
             self._save(sb)
             log.info("sandbox.resumed", sandbox=sandbox_id)
             return sb
@@ -726,12 +737,20 @@ class SandboxManager:
                     if stay_paused and sb.status == "running":
                         # A suspend: nothing writes to the root once it is taken.
                         assert sb.instance_id
-                        await self.driver.pause(sb.instance_id)
-                        sb.status = "paused"
+                        await self.driver.hold(sb.instance_id)
+                        sb.status, sb.held = "paused", True
                         self._save(sb)
                     await self.pool.snapshot(self._dir(sandbox_id) / "rootfs", d / "rootfs", readonly=True)
                 else:
                     assert sb.instance_id
+                    if sb.status == "paused" and sb.held:
+                        # The checkpoint needs the sentry, which the freezer stops too: the runtime
+                        # holds the guest instead (it runs for the few ms between the two, before
+                        # anything is taken, so memory and disk still agree).
+                        self.driver.thaw(sb.instance_id)
+                        await self.driver.pause(sb.instance_id)
+                        sb.held = False
+                        self._save(sb)
                     was_running = sb.status == "running"
                     if self.egress is not None:
                         # gVisor cannot save an established TCP connection (nor one in TIME_WAIT):
