@@ -519,14 +519,12 @@ class LifecycleOps:
                                               "sealing": await self.sealer.for_snapshot(snap)},
                                    timeout=LONG)
         try:
-            f = await self.store.set_sandbox_state(fid, State.RUNNING, expect=[State.CREATING],
-                                                   instance_id=info.get("instance_id"),
-                                                   template_digest=info.get("template_digest"))
+            await self.moved(f, State.RUNNING, expect=[State.CREATING], instance_id=info.get("instance_id"),
+                             template_digest=info.get("template_digest"), last_active_at=_now(),
+                             event=("forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
+                                    {"parent": src.id, "snapshot": snap.id}))
         except InvalidState:
             return None  # deleted while forking: the delete removes it from the node
-        await self.store.touch_sandbox(fid, _now())
-        await self.event(f, "forked", f"forked from sandbox {src.id} at {snap.kind} snapshot {snap.id}",
-                         parent=src.id, snapshot=snap.id)
         return fid
 
     async def _cordoned(self, node_id: str) -> bool:

@@ -117,13 +117,14 @@ class Sandbox:
         """POST an action, then (with ``wait``) follow its operation and the sandbox's new state."""
         reply = self._http.json("POST", f"{self._path}/{action}", json=body)
         self.info = reply.get("sandbox", self.info)
-        op = self._finish(Operation.from_json(reply["operation"]), wait, timeout)
-        if wait:
+        answered = Operation.from_json(reply["operation"])
+        op = self._finish(answered, wait, timeout)
+        if wait and not answered.done:  # (done in the answer: its sandbox is the one after it)
             self.refresh()
         return op
 
     def _finish(self, op: Operation, wait: bool, timeout: float | None) -> Operation:
-        if wait:
+        if wait and not op.done:  # the server carried it out before it answered (a pause)
             op = self._operations.wait(op.id, timeout)
         self.operation = op
         exc = op.exception()
