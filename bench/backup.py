@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
-from bench.lifecycle import summary  # noqa: E402
+from bench.lifecycle import given, summary  # noqa: E402
 from tests.e2e.harness import create_sandbox, own_server, run, wait_operation  # noqa: E402
 
 PROBE = r"""
@@ -93,9 +93,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--every", type=float, default=45.0)
     ap.add_argument("--minutes", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, metavar="STEM",
+                    help="save STEM.json and STEM.md (default: bench/results/<date>-backup)")
     args = ap.parse_args()
     phases = list(PHASES)[: args.minutes] if args.minutes <= len(PHASES) else list(PHASES)
-    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": vars(args)}
+    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": given(args)}
     with tempfile.TemporaryDirectory(prefix="space-bench-backup-") as tmp, own_server(Path(tmp)) as srv, \
             srv.client(timeout=600) as api:
         policy = {"disk_every": None, "full_every": None}
@@ -164,7 +166,7 @@ def main() -> int:
                     wait_operation(api, r.json()["operation"]["id"], timeout=300)
     table = render(res)
     print(table)
-    out = REPO / "bench" / "results" / f"{res['date']}-backup"
+    out = args.out or REPO / "bench" / "results" / f"{res['date']}-backup"
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     out.with_suffix(".md").write_text(table)
     log(f"saved {out}.json and .md")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
-from bench.lifecycle import pct, summary  # noqa: E402
+from bench.lifecycle import given, pct, summary  # noqa: E402
 from tests.e2e.cluster import Cluster, cluster  # noqa: E402
 from tests.e2e.harness import Server, own_server, wait_operation  # noqa: E402
 
@@ -215,9 +215,11 @@ def main() -> int:
     ap.add_argument("--bursts", default="20,50")
     ap.add_argument("--execs", type=int, default=50)
     ap.add_argument("--failovers", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, metavar="STEM",
+                    help="save STEM.json and STEM.md (default: bench/results/<date>-cluster)")
     args = ap.parse_args()
     pool = 2
-    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": vars(args)}
+    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": given(args)}
     with tempfile.TemporaryDirectory(prefix="space-bench-cluster-") as tmp:
         work = Path(tmp)
         (work / "serve").mkdir()
@@ -277,7 +279,7 @@ def main() -> int:
             finally:
                 for c in (s, a, b):
                     c.close()
-    out = REPO / "bench" / "results" / f"{res['date']}-cluster"
+    out = args.out or REPO / "bench" / "results" / f"{res['date']}-cluster"
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     md = render(res)
     out.with_suffix(".md").write_text(md)

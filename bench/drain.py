@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
-from bench.lifecycle import summary  # noqa: E402
+from bench.lifecycle import given, summary  # noqa: E402
 from tests.e2e.cluster import cluster  # noqa: E402
 from tests.e2e.harness import create_sandbox, run, wait_operation  # noqa: E402
 
@@ -180,8 +180,10 @@ def main() -> int:
     ap.add_argument("--per", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default="idle,mem100,disk1g")
+    ap.add_argument("--out", type=Path, default=None, metavar="STEM",
+                    help="save STEM.json and STEM.md (default: bench/results/<date>-drain)")
     args = ap.parse_args()
-    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": vars(args), "workloads": []}
+    res: dict[str, Any] = {"date": dt.date.today().isoformat(), "args": given(args), "workloads": []}
     import anyio
 
     from tests.conftest import _ensure_local_postgres
@@ -199,7 +201,7 @@ def main() -> int:
             api.close()
     table = render(res)
     print(table)
-    out = REPO / "bench" / "results" / f"{res['date']}-drain"
+    out = args.out or REPO / "bench" / "results" / f"{res['date']}-drain"
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     out.with_suffix(".md").write_text(table)
     log(f"saved {out}.json and .md")

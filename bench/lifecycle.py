@@ -50,6 +50,11 @@ def summary(xs: list[float]) -> dict[str, float]:
             "mean": statistics.fmean(xs)}
 
 
+def given(args: Any) -> dict[str, Any]:
+    """A script's arguments as its results record them (where they were saved is not one)."""
+    return {k: v for k, v in vars(args).items() if k != "out"}
+
+
 def ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
