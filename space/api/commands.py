@@ -15,7 +15,7 @@ from space.api.fields import Bool, Cursor, Int64, Number
 from space.api.openapi import RAW_BODY
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, Unauthorized
-from space.web import EventStream
+from space.web import EventStream, sse
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/commands")
 
@@ -50,8 +50,12 @@ class ResizeBody(BaseModel):
     cols: Annotated[Int64, Field(gt=0, le=1000)]
 
 
-@router.post("", status_code=201)
-async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St) -> JSONResponse:
+@router.post("", status_code=201, responses={201: {
+    "description": "The command started. With `Accept: text/event-stream` the answer is its event stream "
+                   "(as from `GET .../events`), led by a `started` event holding this object: a run to its end "
+                   "in one request.",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St, request: Request) -> Response:
     who.require_write()
     if (body.cmd is None) == (body.shell is None):
         raise InvalidRequest("give exactly one of 'cmd' (argv list) or 'shell' (string)")
@@ -62,7 +66,19 @@ async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St) 
     res = await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands", json_body=payload)
     res["sandbox_id"] = sandbox_id
     res["attach_token"] = attach_token(st.secret, sandbox_id, cid)
-    return JSONResponse(res, status_code=201)
+    if not _wants_events(request):
+        return JSONResponse(res, status_code=201)
+    # The node held the command's output for its first subscriber: this stream is it.
+    events = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events",
+                                    params={"after": 0})
+    return passthrough(events, "text/event-stream", {"cache-control": "no-store", "x-accel-buffering": "no"},
+                       first=sse("started", res), status_code=201)
+
+
+def _wants_events(request: Request) -> bool:
+    """Whether the caller asked for the event stream itself (not merely accepts anything)."""
+    return any(part.split(";")[0].strip() == "text/event-stream"
+               for part in request.headers.get("accept", "").split(","))
 
 
 @router.get("")

@@ -150,12 +150,15 @@ async def _touch(st: AppState, sandbox_id: str) -> None:
     await st.store.touch_sandbox(sandbox_id, dt.datetime.now(dt.UTC))
 
 
-def passthrough(resp: httpx.Response, media_type: str, headers: dict[str, str] | None = None) -> StreamingResponse:
-    """Relay a node's streaming answer to the client byte for byte."""
+def passthrough(resp: httpx.Response, media_type: str, headers: dict[str, str] | None = None, *,
+                first: bytes = b"", status_code: int = 200) -> StreamingResponse:
+    """Relay a node's streaming answer to the client byte for byte (after ``first``)."""
 
     async def body() -> AsyncIterator[bytes]:
+        if first:
+            yield first
         async for chunk in resp.aiter_raw():
             yield chunk
 
-    return StreamingResponse(body(), media_type=media_type, headers=headers,
+    return StreamingResponse(body(), status_code=status_code, media_type=media_type, headers=headers,
                              background=BackgroundTask(resp.aclose))

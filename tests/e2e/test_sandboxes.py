@@ -87,6 +87,43 @@ def test_exec_env_cwd_user(api: httpx.Client, sandbox: str) -> None:
     assert out.strip() == b"0"
 
 
+def test_a_command_started_for_its_event_stream_is_run_in_one_request(api: httpx.Client, sandbox: str) -> None:
+    """POST .../commands with ``Accept: text/event-stream`` answers with the command's events,
+    led by a ``started`` event holding what the JSON answer holds; the same events stay readable
+    (and resumable) through GET .../events."""
+    import json
+
+    events: list[dict[str, object]] = []
+    with api.stream("POST", f"/v1/sandboxes/{sandbox}/commands", json={"shell": "echo one; echo two >&2; exit 3"},
+                    headers={"Accept": "text/event-stream"}) as r:
+        assert r.status_code == 201 and r.headers["content-type"].startswith("text/event-stream")
+        ev: dict[str, object] = {}
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                continue
+            if not line:
+                if ev:
+                    events.append({**ev, "data": json.loads(str(ev["data"]))})
+                ev = {}
+                continue
+            key, _, value = line.partition(":")
+            ev[key] = value[1:] if value.startswith(" ") else value
+    started = events[0]
+    assert started["event"] == "started" and "id" not in started, started
+    info = started["data"]
+    assert isinstance(info, dict) and info["attach_token"] and info["sandbox_id"] == sandbox
+    rest = events[1:]
+    out = b"".join(base64.b64decode(e["data"]["data"]) for e in rest if e["event"] == "stdout")  # type: ignore[index]
+    err = b"".join(base64.b64decode(e["data"]["data"]) for e in rest if e["event"] == "stderr")  # type: ignore[index]
+    assert (out, err) == (b"one\n", b"two\n")
+    assert rest[-1]["event"] == "exit" and rest[-1]["data"]["exit_code"] == 3  # type: ignore[index]
+    again = read_events(api, sandbox, str(info["id"]))
+    assert [e["id"] for e in again] == [e["id"] for e in rest]
+    # Without asking for events (or accepting anything) the answer is the command as JSON.
+    plain = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["true"]}, headers={"Accept": "*/*"})
+    assert plain.status_code == 201 and plain.json()["id"]
+
+
 def test_events_have_ids_and_resume_with_last_event_id(api: httpx.Client, sandbox: str) -> None:
     r = api.post(f"/v1/sandboxes/{sandbox}/commands", json={"shell": "for i in 1 2 3 4 5; do echo $i; done"})
     cid = r.json()["id"]

@@ -74,11 +74,13 @@ class FakeCommand:
 class EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
     """An SSE body serving a command's events after ``after``; may drop mid-event."""
 
-    def __init__(self, cmd: FakeCommand, after: int, drop_after: int | None) -> None:
-        self.cmd, self.after, self.drop_after = cmd, after, drop_after
+    def __init__(self, cmd: FakeCommand, after: int, drop_after: int | None, lead: bytes = b"") -> None:
+        self.cmd, self.after, self.drop_after, self.lead = cmd, after, drop_after, lead
 
     def _frames(self) -> Iterator[bytes | None]:
         """Frames to send; None means "nothing new yet" (the command is still running)."""
+        if self.lead:
+            yield self.lead
         sent, pos = 0, self.after
         while True:
             if pos < len(self.cmd.events):
@@ -335,6 +337,13 @@ class FakeAPI:
                 "ended_at": None, "pty": body.get("pty"), "request": body}
         cmd = self.commands[cid] = FakeCommand(info)
         self._run(cmd, argv)
+        if "text/event-stream" in rq.headers.get("accept", ""):
+            # Run in one request: the command's events, led by the command (may drop like a GET).
+            cmd.streams_opened += 1
+            drop = self.drop_events_after if cmd.streams_opened == 1 else None
+            lead = f"event: started\ndata: {json.dumps(info)}\n\n".encode()
+            return httpx.Response(201, headers={"content-type": "text/event-stream"},
+                                  stream=EventStream(cmd, 0, drop, lead))
         return _ok(info, 201)
 
     def _run(self, cmd: FakeCommand, argv: list[str]) -> None:

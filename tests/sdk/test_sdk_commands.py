@@ -93,7 +93,27 @@ def test_the_sync_client_resumes_too(fake: FakeAPI, client: Client) -> None:
     sandbox = client.sandboxes.create()
     result = sandbox.exec(["count", "3"])
     assert result.stdout == b"line 1\nline 2\nline 3\n"
-    assert [s.headers.get("last-event-id") for s in fake.seen("GET", "/events")] == [None, None]
+    # exec runs in one request (its answer is the event stream); that stream dropped before its
+    # first event, so one GET took the events up from the start.
+    assert [s.headers.get("accept") for s in fake.seen("POST", "/commands")] == ["text/event-stream"]
+    assert [s.headers.get("last-event-id") for s in fake.seen("GET", "/events")] == [None]
+
+
+async def test_an_exec_whose_stream_drops_goes_on_from_the_last_event_seen(
+    fake: FakeAPI, sandbox: AsyncSandbox
+) -> None:
+    fake.drop_events_after = 2
+    seen: list[bytes] = []
+    result = await sandbox.exec(["count", "5"], on_stdout=seen.append)
+    assert seen == [f"line {i}\n".encode() for i in range(1, 6)]  # each once, in order
+    assert result.stdout == b"".join(seen) and result.exit_code == 0
+    assert [s.headers["last-event-id"] for s in fake.seen("GET", "/events")] == ["2"]
+
+
+async def test_an_exec_is_one_request_when_its_stream_holds(fake: FakeAPI, sandbox: AsyncSandbox) -> None:
+    result = await sandbox.exec(["echo", "hi"])
+    assert result.stdout == b"hi\n" and result.exit_code == 0
+    assert len(fake.seen("POST", "/commands")) == 1 and fake.seen("GET", "/events") == []
 
 
 async def test_events_after_a_sequence_number(sandbox: AsyncSandbox) -> None:

@@ -21,7 +21,7 @@ from space.sdk._models import (
     command_request,
 )
 
-from ._commands import AsyncCommand, OutputCallback
+from ._commands import AsyncCommand, AsyncRun, OutputCallback, collect
 from ._files import AsyncFiles
 from ._http import AsyncHTTP
 from ._resources import AsyncOperations
@@ -279,11 +279,12 @@ class AsyncSandbox:
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult:
         """Run ``cmd`` to completion. ``stdin`` may be bytes: they are written, then stdin is closed."""
-        command = await self.start(
-            cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=stdin is not False, timeout=timeout
-        )
-        if stdin is not False:
-            await command.send_stdin(b"" if stdin is True else stdin, eof=True)
+        if stdin is False:  # started and followed in one request
+            body = command_request(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=False, timeout=timeout)
+            run = AsyncRun(self._http, self.id, body)
+            return await collect(run.events(), on_stdout, on_stderr, f"a command in sandbox {self.id}")
+        command = await self.start(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=True, timeout=timeout)
+        await command.send_stdin(b"" if stdin is True else stdin, eof=True)
         return await command.wait(on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def get_command(self, command_id: str) -> AsyncCommand:

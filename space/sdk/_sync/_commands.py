@@ -7,10 +7,13 @@ from collections.abc import Iterator, Callable
 from typing import Any
 from urllib.parse import quote
 
+import httpx
+
 from space import errors
 from space.sdk._models import JSON, CommandResult, Event
+from space.sdk._sse import SSEDecoder
 
-from ._http import SyncHTTP
+from ._http import STREAM_IDLE_TIMEOUT, SyncHTTP
 
 OutputCallback = Callable[[bytes], Any]
 
@@ -54,24 +57,7 @@ class Command:
         self, on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None
     ) -> CommandResult:
         """Follow the command to its end, collecting its output (and passing it to the callbacks)."""
-        out, err = bytearray(), bytearray()
-        result: CommandResult | None = None
-        # The loop runs to the end of the stream (exit is its last event) rather than returning at
-        # exit, so the stream is closed here and not whenever the generator is collected.
-        for event in self.events():
-            if event.type == "stdout":
-                out += event.data
-                if on_stdout is not None:
-                    on_stdout(event.data)
-            elif event.type == "stderr":
-                err += event.data
-                if on_stderr is not None:
-                    on_stderr(event.data)
-            elif event.type == "exit":
-                result = CommandResult(_exit_code(event), bytes(out), bytes(err), event.signal)
-        if result is None:
-            raise errors.Internal(f"the event stream of command {self.id} ended without an exit event")
-        return result
+        return collect(self.events(), on_stdout, on_stderr, f"command {self.id}")
 
     def send_stdin(self, data: bytes, eof: bool = False) -> None:
         params = {"eof": "true"} if eof else None
@@ -90,3 +76,75 @@ def _exit_code(event: Event) -> int:
         return event.exit_code
     # The shell convention for a process killed by a signal.
     return 128 + event.signal if event.signal is not None else -1
+
+
+def collect(
+    events: Iterator[Event], on_stdout: OutputCallback | None, on_stderr: OutputCallback | None, what: str
+) -> CommandResult:
+    """A command's output and exit from its events (each passed to the callbacks as it comes)."""
+    out, err = bytearray(), bytearray()
+    result: CommandResult | None = None
+    # The loop runs to the end of the stream (exit is its last event) rather than returning at
+    # exit, so the stream is closed here and not whenever the generator is collected.
+    for event in events:
+        if event.type == "stdout":
+            out += event.data
+            if on_stdout is not None:
+                on_stdout(event.data)
+        elif event.type == "stderr":
+            err += event.data
+            if on_stderr is not None:
+                on_stderr(event.data)
+        elif event.type == "exit":
+            result = CommandResult(_exit_code(event), bytes(out), bytes(err), event.signal)
+    if result is None:
+        raise errors.Internal(f"the event stream of {what} ended without an exit event")
+    return result
+
+
+class SyncRun:
+    """A command started and followed in one request (``POST .../commands`` with ``Accept:
+    text/event-stream``): the answer is its event stream, led by the command itself. A stream that
+    drops before the exit goes on through ``GET .../events`` from the last event seen."""
+
+    def __init__(self, http: SyncHTTP, sandbox_id: str, body: JSON) -> None:
+        self._http = http
+        self.sandbox_id = sandbox_id
+        self._body = body
+        self.command: Command | None = None
+        self._last = 0
+
+    def events(self) -> Iterator[Event]:
+        path = f"/v1/sandboxes/{quote(self.sandbox_id, safe='')}/commands"
+        timeout = httpx.Timeout(self._http.timeout, read=STREAM_IDLE_TIMEOUT)
+        try:
+            with self._http.stream("POST", path, json=self._body, timeout=timeout,
+                                         headers={"Accept": "text/event-stream"}) as resp:
+                decoder = SSEDecoder()
+                for line in resp.iter_lines():
+                    sse = decoder.feed(line)
+                    if sse is None:
+                        continue
+                    if sse.event == "started":
+                        self.command = Command(self._http, self.sandbox_id, sse.json())
+                        continue
+                    if sse.event == "error":
+                        raise errors.from_wire(500, {"error": sse.json()})
+                    if sse.event == "moved":
+                        break
+                    if sse.seq is not None:
+                        if sse.seq <= self._last:
+                            continue
+                        self._last = sse.seq
+                    event = Event.from_wire(sse.event, sse.seq or 0, sse.json())
+                    if event is not None:
+                        yield event
+                        if event.type == "exit":
+                            return
+        except errors.SpaceError as exc:
+            if self.command is None or not exc.retryable:
+                raise
+        if self.command is None:
+            raise errors.Internal("the command's event stream ended before it said the command started")
+        for event in self.command.events(after=self._last):
+            yield event

@@ -99,11 +99,13 @@ class SyncHTTP:
         params: Mapping[str, str | int] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
+        json: Any = None,
     ) -> Iterator[httpx.Response]:
         """A response whose body is read by the caller; failures while reading are translated too."""
         with translate(self.url):
             with self._client.stream(
-                method, path, params=params, headers=headers, timeout=timeout or httpx.Timeout(self.timeout)
+                method, path, params=params, headers=headers, timeout=timeout or httpx.Timeout(self.timeout),
+                json=json,
             ) as resp:
                 if resp.is_error:
                     resp.read()

@@ -22,7 +22,7 @@ from space.sdk._models import (
     command_request,
 )
 
-from ._commands import Command, OutputCallback
+from ._commands import Command, SyncRun, OutputCallback, collect
 from ._files import Files
 from ._http import SyncHTTP
 from ._resources import Operations
@@ -280,11 +280,12 @@ class Sandbox:
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult:
         """Run ``cmd`` to completion. ``stdin`` may be bytes: they are written, then stdin is closed."""
-        command = self.start(
-            cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=stdin is not False, timeout=timeout
-        )
-        if stdin is not False:
-            command.send_stdin(b"" if stdin is True else stdin, eof=True)
+        if stdin is False:  # started and followed in one request
+            body = command_request(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=False, timeout=timeout)
+            run = SyncRun(self._http, self.id, body)
+            return collect(run.events(), on_stdout, on_stderr, f"a command in sandbox {self.id}")
+        command = self.start(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=True, timeout=timeout)
+        command.send_stdin(b"" if stdin is True else stdin, eof=True)
         return command.wait(on_stdout=on_stdout, on_stderr=on_stderr)
 
     def get_command(self, command_id: str) -> Command:
