@@ -46,7 +46,11 @@ def run_all(parts: tuple[str, ...], *, quick: bool, log: Callable[[str], None]) 
             done = subprocess.run([sys.executable, str(REPO / script), "--out", str(stem),
                                    *(small if quick else full)], cwd=REPO, stdout=subprocess.DEVNULL)
             if done.returncode != 0:
-                raise SystemExit(f"{script} failed (exit {done.returncode})")
+                # The other parts' figures still count: this one is reported as failed, with why
+                # (the script printed its traceback and its deployment's log tails above).
+                log(f"{part}: {script} failed (exit {done.returncode})")
+                out[part] = {"failed": f"{script} exited with {done.returncode}; its output is in the run's log"}
+                continue
             out[part] = json.loads(stem.with_suffix(".json").read_text())
     return out
 
@@ -54,6 +58,10 @@ def run_all(parts: tuple[str, ...], *, quick: bool, log: Callable[[str], None]) 
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
     rows: list[str] = []
     notes: list[str] = []
+    for part in PARTS:
+        if (res.get(part) or {}).get("failed"):
+            notes.append(f"{part}: FAILED, no figures ({res[part]['failed']})")
+    res = {k: v for k, v in res.items() if not (k in PARTS and (v or {}).get("failed"))}
     if c := res.get("cluster"):
         w = c["warm"]
         rows.append(table_row("warm create → running via a replica, PostgreSQL (ms)", w["replica_postgres_ms"],

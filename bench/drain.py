@@ -197,6 +197,11 @@ def main() -> int:
         try:
             for name in (w for w in args.workloads.split(",") if w):
                 res["workloads"].append(bench_workload(api, name, args.per, args.rounds))
+        except BaseException:
+            # The deployment's logs go with its scratch directory: what they end with, first.
+            for proc in (*cl.apis, *cl.controllers):
+                log(f"--- {proc.name} log tail ---\n{proc.log_tail(6000)}")
+            raise
         finally:
             api.close()
     table = render(res)

@@ -24,6 +24,10 @@ def test_saved_results_of_each_script_become_rows_of_the_one_table() -> None:
         assert metric in text, metric
     assert any("served warm" in n for n in notes)
     assert deployed.table_rows({}) == ([], [])
+    # A part whose script failed is named as failed; the others keep their rows.
+    rows2, notes2 = deployed.table_rows({**res, "drain": {"failed": "bench/drain.py exited with 1"}})
+    assert not any("drain" in r for r in rows2) and any("via a replica" in r for r in rows2)
+    assert any(n.startswith("drain: FAILED") for n in notes2)
 
 
 def test_each_part_has_a_script_that_takes_out() -> None:
