@@ -191,7 +191,7 @@ class Network:
                and MAX_INDEX - len(self._used) > self.spares_target):
             try:
                 self._spares.append(await self._create())
-            except (RuntimeFailure, SpaceError) as exc:
+            except SpaceError as exc:  # out of indexes (RuntimeFailure) or the helper refused
                 log.warning("network.spare_failed", error=str(exc))
                 return
 
