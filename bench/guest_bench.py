@@ -35,15 +35,17 @@ async def rtt_us(conn: GuestConnection, op: str = "hello", n: int = 200, **args:
     return statistics.median(samples) * 1e6
 
 
-async def throughput_mbs(conn: GuestConnection) -> float:
+async def throughput_mbs(conn: GuestConnection, nbytes: int = BULK, argv: list[str] | None = None) -> float:
+    """MB/s of ``argv``'s stdout (``nbytes`` of it; default ``head -c nbytes /dev/zero``) off the channel."""
     t = time.perf_counter()
-    await conn.request("exec", cmd="bulk", argv=["head", "-c", str(BULK), "/dev/zero"])
+    cmd = f"bulk-{time.monotonic_ns()}"
+    await conn.request("exec", cmd=cmd, argv=argv or ["head", "-c", str(nbytes), "/dev/zero"])
     got = 0
-    async for _, payload in conn.events("bulk"):
+    async for _, payload in conn.events(cmd):
         got += len(payload)
     elapsed = time.perf_counter() - t
-    assert got == BULK, got
-    return BULK / elapsed / 1e6
+    assert got == nbytes, got
+    return nbytes / elapsed / 1e6
 
 
 async def channel(kind: str, guest: HostGuest | RunscGuest) -> None:

@@ -8,14 +8,14 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from space import ids
+from space import event_frames, ids
 from space.api.auth import Principal, attach_token, check_attach_token, principal
 from space.api.dataplane import passthrough, running_sandbox
 from space.api.fields import Bool, Cursor, Int64, Number
 from space.api.openapi import RAW_BODY
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, Unauthorized
-from space.web import EventStream, sse
+from space.web import FRAME_WIRE, SSE_WIRE, EventStream, EventWire, event_wire
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/commands")
 
@@ -23,6 +23,7 @@ Auth = Annotated[Principal, Depends(principal)]
 St = Annotated[AppState, Depends(app_state)]
 
 MAX_STDIN = 16 * 1024 * 1024
+STREAM_HEADERS = {"cache-control": "no-store", "x-accel-buffering": "no"}
 
 
 class PtySize(BaseModel):
@@ -50,11 +51,16 @@ class ResizeBody(BaseModel):
     cols: Annotated[Int64, Field(gt=0, le=1000)]
 
 
+#: The two forms of a command's event stream (docs/api.md, "Command events").
+EVENT_CONTENT = {event_frames.SSE_MEDIA_TYPE: {"schema": {"type": "string"}},
+                 event_frames.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+
+
 @router.post("", status_code=201, responses={201: {
-    "description": "The command started. With `Accept: text/event-stream` the answer is its event stream "
-                   "(as from `GET .../events`), led by a `started` event holding this object: a run to its end "
-                   "in one request.",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+    "description": "The command started. With `Accept: text/event-stream` (or `application/x-space-events`: "
+                   "frames, output unencoded) the answer is its event stream (as from `GET .../events`), led by "
+                   "a `started` event holding this object: a run to its end in one request.",
+    "content": EVENT_CONTENT}})
 async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St, request: Request) -> Response:
     who.require_write()
     if (body.cmd is None) == (body.shell is None):
@@ -66,19 +72,24 @@ async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St, 
     res = await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands", json_body=payload)
     res["sandbox_id"] = sandbox_id
     res["attach_token"] = attach_token(st.secret, sandbox_id, cid)
-    if not _wants_events(request):
+    wire = _wanted_wire(request)
+    if wire is None:
         return JSONResponse(res, status_code=201)
     # The node held the command's output for its first subscriber: this stream is it.
     events = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events",
-                                    params={"after": 0})
-    return passthrough(events, "text/event-stream", {"cache-control": "no-store", "x-accel-buffering": "no"},
-                       first=sse("started", res), status_code=201)
+                                    params={"after": 0}, headers={"accept": wire.media_type})
+    return passthrough(events, wire.media_type, STREAM_HEADERS, first=wire.event("started", res, None),
+                       status_code=201)
 
 
-def _wants_events(request: Request) -> bool:
-    """Whether the caller asked for the event stream itself (not merely accepts anything)."""
-    return any(part.split(";")[0].strip() == "text/event-stream"
-               for part in request.headers.get("accept", "").split(","))
+def _wanted_wire(request: Request) -> EventWire | None:
+    """The event stream the caller asked for (listed in ``Accept``, not merely ``*/*``), if any."""
+    accept = request.headers.get("accept", "")
+    if event_frames.wants_frames(accept):
+        return FRAME_WIRE
+    if any(part.split(";")[0].strip() == event_frames.SSE_MEDIA_TYPE for part in accept.split(",")):
+        return SSE_WIRE
+    return None
 
 
 @router.get("")
@@ -95,7 +106,10 @@ async def get_command(sandbox_id: str, cid: str, who: Auth, st: St) -> dict[str,
     return res
 
 
-@router.get("/{cid}/events", response_class=EventStream)
+@router.get("/{cid}/events", response_class=EventStream, responses={200: {
+    "description": "The command's events from `after` on: SSE, or with `Accept: application/x-space-events` "
+                   "frames whose output is unencoded bytes.",
+    "content": EVENT_CONTENT}})
 async def command_events(
     sandbox_id: str,
     cid: str,
@@ -118,9 +132,10 @@ async def command_events(
     start = after if after is not None else 0
     if last_event_id and last_event_id.strip().isdigit():
         start = max(start, int(last_event_id.strip()))
+    wire = event_wire(request.headers.get("accept"))
     resp = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events",
-                                  params={"after": start})
-    return passthrough(resp, "text/event-stream", {"cache-control": "no-store", "x-accel-buffering": "no"})
+                                  params={"after": start}, headers={"accept": wire.media_type})
+    return passthrough(resp, wire.media_type, STREAM_HEADERS)
 
 
 @router.post("/{cid}/stdin", status_code=204, openapi_extra=RAW_BODY)

@@ -82,10 +82,10 @@ class Event:
     @classmethod
     def from_wire(cls, name: str, seq: int, payload: JSON) -> Event | None:
         """Build an event from its SSE name and JSON data; unknown names give None (ignored)."""
-        if name == "stdout":
-            return cls("stdout", seq, data=base64.b64decode(payload.get("data", "")))
-        if name == "stderr":
-            return cls("stderr", seq, data=base64.b64decode(payload.get("data", "")))
+        if name in ("stdout", "stderr"):
+            data = payload.get("data", b"")  # bytes from frames, base64 from SSE
+            return cls("stdout" if name == "stdout" else "stderr", seq,
+                       data=data if isinstance(data, bytes) else base64.b64decode(data))
         if name == "gap":
             return cls("gap", seq, lost_bytes=int(payload.get("lost_bytes", 0)))
         if name == "exit":

@@ -19,7 +19,7 @@ import pytest
 from space import errors
 from space.guest import protocol
 from space.node.sandboxes import guest_client, startup
-from space.web import guest_event_to_sse
+from space.web import FRAME_WIRE, SSE_WIRE, guest_event
 from tests.guest.hostile import CommandLog, Header, MiB, Retained, in_thread, out_events, seam, settle
 
 #: Slack for what the measurement itself and the event loop hold (buffers in flight, small objects).
@@ -304,7 +304,8 @@ async def test_events_handed_on_carry_only_the_protocol_fields() -> None:
         allowed = {"t", "kind", "cmd", "seq", "fd", "off", "exit_code", "signal", "timed_out", "lost_bytes"}
         for ev, payload in got:
             assert set(ev) <= allowed, set(ev) - allowed
-            guest_event_to_sse(ev, payload)
+            guest_event(ev, payload, SSE_WIRE)
+            guest_event(ev, payload, FRAME_WIRE)
 
 
 async def test_a_frame_longer_than_the_protocol_closes_the_channel() -> None:

@@ -9,6 +9,8 @@ bodies, and keeps its state in dicts. Deliberately small:
   ``cat``, which answers once its stdin is closed;
 - ``drop_events_after = n`` cuts the first event stream of each command after ``n`` events, in the
   middle of the next one, as a dropped connection would;
+- command event streams are frames when the request asks for them (``answer_frames = False``: a
+  server that speaks only SSE), else SSE;
 - ``requests`` records every request (headers, query, body and the chunks it arrived in).
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 import anyio.lowlevel
 import httpx
 
-from space import errors
+from space import errors, event_frames
 from space.lifecycle import Action, State, allowed_actions, require
 
 API_KEY = "sk-test"
@@ -71,11 +73,23 @@ class FakeCommand:
             self.finished.set()
 
 
-class EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """An SSE body serving a command's events after ``after``; may drop mid-event."""
+def encode_event(frames: bool, kind: str, payload: dict[str, Any], event_id: int | None) -> bytes:
+    """One event as the server writes it: SSE, or a frame (output unencoded) when asked for frames."""
+    if not frames:
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        return f"{head}event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+    if kind in ("stdout", "stderr"):
+        return event_frames.output(kind, payload["seq"], base64.b64decode(payload["data"]))
+    return event_frames.encode(kind, payload)
 
-    def __init__(self, cmd: FakeCommand, after: int, drop_after: int | None, lead: bytes = b"") -> None:
-        self.cmd, self.after, self.drop_after, self.lead = cmd, after, drop_after, lead
+
+class EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """An event stream body (SSE or frames) serving a command's events after ``after``; may drop
+    mid-event."""
+
+    def __init__(self, cmd: FakeCommand, after: int, drop_after: int | None, lead: bytes = b"",
+                 frames: bool = False) -> None:
+        self.cmd, self.after, self.drop_after, self.lead, self.frames = cmd, after, drop_after, lead, frames
 
     def _frames(self) -> Iterator[bytes | None]:
         """Frames to send; None means "nothing new yet" (the command is still running)."""
@@ -86,7 +100,7 @@ class EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
             if pos < len(self.cmd.events):
                 kind, payload = self.cmd.events[pos]
                 pos += 1
-                frame = f"id: {payload['seq']}\nevent: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+                frame = encode_event(self.frames, kind, payload, payload["seq"])
                 if self.drop_after is not None and sent == self.drop_after:
                     yield frame[: len(frame) // 2]
                     raise httpx.ReadError("connection reset by peer")
@@ -165,6 +179,7 @@ class FakeAPI:
         self.idempotency: dict[str, tuple[str, str]] = {}
         self.polls_to_finish = 1
         self.drop_events_after: int | None = None
+        self.answer_frames = True
         self._ids = itertools.count(1)
         self._pending: dict[str, tuple[int, Callable[[JSON], None]]] = {}
         self._routes: list[Route] = []
@@ -337,13 +352,13 @@ class FakeAPI:
                 "ended_at": None, "pty": body.get("pty"), "request": body}
         cmd = self.commands[cid] = FakeCommand(info)
         self._run(cmd, argv)
-        if "text/event-stream" in rq.headers.get("accept", ""):
+        if "text/event-stream" in rq.headers.get("accept", "") or self._frames(rq):
             # Run in one request: the command's events, led by the command (may drop like a GET).
             cmd.streams_opened += 1
             drop = self.drop_events_after if cmd.streams_opened == 1 else None
-            lead = f"event: started\ndata: {json.dumps(info)}\n\n".encode()
-            return httpx.Response(201, headers={"content-type": "text/event-stream"},
-                                  stream=EventStream(cmd, 0, drop, lead))
+            frames = self._frames(rq)
+            return httpx.Response(201, headers={"content-type": self._media(frames)},
+                                  stream=EventStream(cmd, 0, drop, encode_event(frames, "started", info, None), frames))
         return _ok(info, 201)
 
     def _run(self, cmd: FakeCommand, argv: list[str]) -> None:
@@ -381,8 +396,16 @@ class FakeAPI:
         after = int(rq.headers.get("last-event-id") or rq.params.get("after") or 0)
         cmd.streams_opened += 1
         drop = self.drop_events_after if cmd.streams_opened == 1 else None
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=EventStream(cmd, after, drop))
+        frames = self._frames(rq)
+        return httpx.Response(200, headers={"content-type": self._media(frames)},
+                              stream=EventStream(cmd, after, drop, frames=frames))
+
+    def _frames(self, rq: Seen) -> bool:
+        return self.answer_frames and event_frames.wants_frames(rq.headers.get("accept"))
+
+    @staticmethod
+    def _media(frames: bool) -> str:
+        return event_frames.MEDIA_TYPE if frames else event_frames.SSE_MEDIA_TYPE
 
     def command_stdin(self, rq: Seen, sid: str, cid: str) -> httpx.Response:
         cmd = self._command(sid, cid)

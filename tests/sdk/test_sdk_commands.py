@@ -1,21 +1,34 @@
-"""Commands through the SDK: request shapes, output events, stdin/signal/resize, and SSE resume.
+"""Commands through the SDK: request shapes, output events, stdin/signal/resize, and stream resume.
 
 Aspects: a string runs in a shell and a list as argv; options reach the body; results carry
 exit code, both streams and the signal; a stream dropped mid-event is resumed with Last-Event-ID
-and yields every event exactly once (async and sync); retries are bounded; the SSE decoder.
+and yields every event exactly once (async and sync); retries are bounded; the decoders. Every
+test runs against a server answering frames (what SPACE does when asked) and one speaking only SSE.
 """
 
 from __future__ import annotations
+
+import base64
+import struct
 
 import httpx
 import pytest
 
 import space.sdk._async._http as async_http
+import space.sdk._sse as sse_module
 import space.sdk._sync._http as sync_http
-from space import AsyncClient, Client, errors
+from space import AsyncClient, Client, errors, event_frames
 from space.sdk import AsyncSandbox
-from space.sdk._sse import ServerSentEvent, SSEDecoder
-from tests.sdk.fake_api import API_KEY, URL, FakeAPI
+from space.sdk._models import Event
+from space.sdk._sse import ACCEPT_EVENTS, EventDecoder, ServerSentEvent, SSEDecoder, StreamEvent
+from tests.sdk.fake_api import API_KEY, URL, FakeAPI, encode_event
+
+
+@pytest.fixture(params=["frames", "sse"])
+def fake(request: pytest.FixtureRequest) -> FakeAPI:
+    api = FakeAPI()
+    api.answer_frames = request.param == "frames"
+    return api
 
 
 @pytest.fixture
@@ -95,7 +108,7 @@ def test_the_sync_client_resumes_too(fake: FakeAPI, client: Client) -> None:
     assert result.stdout == b"line 1\nline 2\nline 3\n"
     # exec runs in one request (its answer is the event stream); that stream dropped before its
     # first event, so one GET took the events up from the start.
-    assert [s.headers.get("accept") for s in fake.seen("POST", "/commands")] == ["text/event-stream"]
+    assert [s.headers.get("accept") for s in fake.seen("POST", "/commands")] == [ACCEPT_EVENTS]
     assert [s.headers.get("last-event-id") for s in fake.seen("GET", "/events")] == [None]
 
 
@@ -162,3 +175,45 @@ def test_sse_decoder() -> None:
     assert events == [ServerSentEvent("stdout", '{"a":\n1}', "7"), ServerSentEvent("exit", '{"seq": 8}')]
     assert [e.seq for e in events] == [7, 8]
     assert decoder.feed("data: half") is None  # never dispatched without its blank line
+
+
+def _feed_bytewise(decoder: EventDecoder, data: bytes) -> list[StreamEvent]:
+    return [ev for i in range(len(data)) for ev in decoder.feed(data[i : i + 1])]
+
+
+@pytest.mark.parametrize("frames", [True, False])
+def test_both_decoders_give_the_same_events_whole_at_any_chunk_boundary(frames: bool) -> None:
+    binary = bytes(range(256)) * 300  # output of every byte value, longer than one read
+    stream = b"".join([
+        encode_event(frames, "started", {"id": "cmd-1", "pid": 7}, None),
+        encode_event(frames, "stdout", {"seq": 1, "data": base64.b64encode(binary).decode()}, 1),
+        event_frames.KEEPALIVE if frames else b": keepalive\n\n",
+        encode_event(frames, "stderr", {"seq": 2, "data": ""}, 2),
+        encode_event(frames, "exit", {"seq": 3, "exit_code": 0, "signal": None}, 3),
+    ])
+    media = event_frames.MEDIA_TYPE if frames else "text/event-stream; charset=utf-8"
+    whole = EventDecoder(media).feed(stream)
+    assert whole == _feed_bytewise(EventDecoder(media), stream)
+    assert [(e.event, e.seq) for e in whole] == [("started", None), ("stdout", 1), ("stderr", 2), ("exit", 3)]
+    assert whole[0].data == {"id": "cmd-1", "pid": 7} and whole[3].data["exit_code"] == 0
+    events = [Event.from_wire(e.event, e.seq or 0, e.data) for e in whole[1:]]
+    assert [e.data for e in events[:2]] == [binary, b""] and events[2].exit_code == 0
+    cut = EventDecoder(media)
+    assert cut.feed(stream[: len(stream) // 2]) == whole[:1]  # never half an event
+
+
+def test_a_frame_over_the_bounds_or_without_an_event_name_is_an_error_not_a_buffer() -> None:
+    too_long = struct.pack(">II", 16, event_frames.MAX_PAYLOAD + 1)
+    with pytest.raises(errors.Internal, match="over the bounds"):
+        EventDecoder(event_frames.MEDIA_TYPE).feed(too_long)  # refused from its lengths alone
+    for header in (b"[1]", b'{"seq": 1}', b"{nope"):
+        with pytest.raises(errors.Internal, match="malformed event stream"):
+            EventDecoder(event_frames.MEDIA_TYPE).feed(struct.pack(">II", len(header), 0) + header)
+
+
+def test_an_sse_line_without_end_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sse_module, "MAX_LINE", 1000)
+    decoder = EventDecoder("text/event-stream")
+    decoder.feed(b"data: " + b"x" * 900)
+    with pytest.raises(errors.Internal, match="longer than 1000"):
+        decoder.feed(b"x" * 200)

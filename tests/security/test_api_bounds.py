@@ -373,7 +373,8 @@ def test_the_document_says_what_the_server_sends(server: Server) -> None:
     def media(path: str, method: str = "get") -> list[str]:
         return list(doc["paths"][path][method]["responses"]["200"]["content"])
 
-    assert media("/v1/sandboxes/{sandbox_id}/commands/{cid}/events") == ["text/event-stream"]
+    assert media("/v1/sandboxes/{sandbox_id}/commands/{cid}/events") == ["text/event-stream",
+                                                                         "application/x-space-events"]
     assert media("/v1/operations/{op_id}/logs") == ["text/event-stream"]
     assert media("/v1/sandboxes/{sandbox_id}/files") == ["application/octet-stream"]
     assert "201" in doc["paths"]["/v1/sandboxes"]["post"]["responses"]

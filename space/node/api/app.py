@@ -50,9 +50,32 @@ from space.node.storage import backup_chain, snapshots
 from space.node.storage.artifacts import SealingSpec
 from space.node.templates import save as template_save
 from space.node.templates.store import TemplateStore
-from space.web import guest_event_to_sse, install_error_handlers, sse
+from space.web import event_wire, guest_event, install_error_handlers
 
 log = structlog.get_logger("space.node.api")
+
+#: Most bytes of waiting events sent in one write of a command's event stream.
+BATCH_BYTES = 512 * 1024
+_StreamItem = bytes | SpaceError | None
+
+
+def _batch(first: bytes, queue: asyncio.Queue[_StreamItem]) -> tuple[bytes, list[_StreamItem]]:
+    """``first`` and the encoded events already waiting behind it (up to :data:`BATCH_BYTES`), as
+    one write: a fast command's output then costs a write here, and a read in the API's relay, per
+    batch instead of per event. Returns the bytes and the item that ended the batch if it is not an
+    event (an error or the end, taken off the queue so the caller must handle it: a list of at
+    most one)."""
+    parts = [first]
+    size = len(first)
+    after: list[_StreamItem] = []
+    while size < BATCH_BYTES and not queue.empty():
+        nxt = queue.get_nowait()
+        if not isinstance(nxt, bytes):
+            after.append(nxt)
+            break
+        parts.append(nxt)
+        size += len(nxt)
+    return b"".join(parts) if len(parts) > 1 else first, after
 
 
 class EgressConfig(BaseModel):
@@ -664,17 +687,22 @@ def create_node_app(
         raise NotFound(f"command {cid} not found", command_id=cid)
 
     @r.get("/sandboxes/{sandbox_id}/commands/{cid}/events")
-    async def command_events(sandbox_id: str, cid: str, after: int = 0) -> StreamingResponse:
+    async def command_events(sandbox_id: str, cid: str, request: Request, after: int = 0) -> StreamingResponse:
         conn = await manager.guest(sandbox_id)
+        wire = event_wire(request.headers.get("accept"))
         events = conn.events(cid, after=after)
         # A small queue between the guest and the client: big enough to keep the stream flowing,
         # small enough that a slow client still holds back the guest's acks (backpressure).
-        queue: asyncio.Queue[bytes | SpaceError | None] = asyncio.Queue(maxsize=16)
+        queue: asyncio.Queue[_StreamItem] = asyncio.Queue(maxsize=16)
+
+        exited = False
 
         async def pump() -> None:
+            nonlocal exited
             try:
                 async for header, payload in events:
-                    await queue.put(guest_event_to_sse(header, payload))
+                    exited = exited or header.get("kind") == "exit"
+                    await queue.put(guest_event(header, payload, wire))
             except SpaceError as exc:
                 await queue.put(exc)
             await queue.put(None)
@@ -684,8 +712,8 @@ def create_node_app(
             the client reconnects (``Last-Event-ID``) and the control plane routes it there."""
             if manager.departure(sandbox_id) != "moved":
                 return None
-            return sse("moved", {"sandbox_id": sandbox_id, "retry": True,
-                                 "message": "the sandbox moved to another node: reconnect to continue"})
+            return wire.event("moved", {"sandbox_id": sandbox_id, "retry": True,
+                                        "message": "the sandbox moved to another node: reconnect to continue"}, None)
 
         async def stream_error(exc: SpaceError) -> bytes | None:
             """A stream that broke: ``moved`` if the sandbox left for another node, an ``error``
@@ -697,7 +725,7 @@ def create_node_app(
                 await manager.check_alive(manager.get(sandbox_id), settle=3.0)
             except SpaceError as dead:
                 err = dead
-            return None if err.retryable else sse("error", err.to_wire()["error"])
+            return None if err.retryable else wire.event("error", err.to_wire()["error"], None)
 
         async def stop(task: asyncio.Task[None]) -> None:
             task.cancel()
@@ -719,8 +747,9 @@ def create_node_app(
             raise first
 
         async def body_iter() -> AsyncIterator[bytes]:
+            # ``exited`` (set by the pump) is read only once the queue has delivered its end, and
+            # the pump queues the exit event before that end.
             item = first
-            exited = False
             try:
                 while True:
                     if item is None:
@@ -733,19 +762,21 @@ def create_node_app(
                             yield last
                         return
                     if item:
-                        exited = exited or b"\nevent: exit\n" in b"\n" + item[:64]
-                        yield item
+                        data, after = _batch(item, queue)
+                        yield data
+                        if after:
+                            item = after[0]
+                            continue
                     try:
                         item = await asyncio.wait_for(queue.get(), timeout=sse_keepalive)
                     except TimeoutError:
                         # Quiet commands run for hours: keep proxies and clients from timing out.
-                        yield b": keepalive\n\n"
+                        yield wire.keepalive
                         item = b""
             finally:
                 await stop(task)
 
-        return StreamingResponse(body_iter(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-store"})
+        return StreamingResponse(body_iter(), media_type=wire.media_type, headers={"cache-control": "no-store"})
 
     @r.post("/sandboxes/{sandbox_id}/commands/{cid}/stdin", status_code=204)
     async def command_stdin(sandbox_id: str, cid: str, request: Request, eof: bool = False) -> Response:

@@ -10,9 +10,9 @@ import httpx
 
 from space import errors
 from space.sdk._models import JSON, CommandResult, Event
-from space.sdk._sse import SSEDecoder
+from space.sdk._sse import ACCEPT_EVENTS
 
-from ._http import STREAM_IDLE_TIMEOUT, AsyncHTTP
+from ._http import STREAM_IDLE_TIMEOUT, AsyncHTTP, decoded
 
 OutputCallback = Callable[[bytes], Any]
 
@@ -118,24 +118,20 @@ class AsyncRun:
         timeout = httpx.Timeout(self._http.timeout, read=STREAM_IDLE_TIMEOUT)
         try:
             async with self._http.stream("POST", path, json=self._body, timeout=timeout,
-                                         headers={"Accept": "text/event-stream"}) as resp:
-                decoder = SSEDecoder()
-                async for line in resp.aiter_lines():
-                    sse = decoder.feed(line)
-                    if sse is None:
+                                         headers={"Accept": ACCEPT_EVENTS}) as resp:
+                async for ev in decoded(resp):
+                    if ev.event == "started":
+                        self.command = AsyncCommand(self._http, self.sandbox_id, ev.data)
                         continue
-                    if sse.event == "started":
-                        self.command = AsyncCommand(self._http, self.sandbox_id, sse.json())
-                        continue
-                    if sse.event == "error":
-                        raise errors.from_wire(500, {"error": sse.json()})
-                    if sse.event == "moved":
+                    if ev.event == "error":
+                        raise errors.from_wire(500, {"error": ev.data})
+                    if ev.event == "moved":
                         break
-                    if sse.seq is not None:
-                        if sse.seq <= self._last:
+                    if ev.seq is not None:
+                        if ev.seq <= self._last:
                             continue
-                        self._last = sse.seq
-                    event = Event.from_wire(sse.event, sse.seq or 0, sse.json())
+                        self._last = ev.seq
+                    event = Event.from_wire(ev.event, ev.seq or 0, ev.data)
                     if event is not None:
                         yield event
                         if event.type == "exit":

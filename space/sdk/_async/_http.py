@@ -13,7 +13,7 @@ import httpx
 from space import errors
 from space.sdk._errors import from_response, translate
 from space.sdk._models import JSON
-from space.sdk._sse import SSEDecoder
+from space.sdk._sse import ACCEPT_EVENTS, EventDecoder, StreamEvent
 
 #: Pauses before successive re-connections of an event stream that keeps failing without progress;
 #: after the last one the stream's error is raised. A stream that made progress retries at once.
@@ -25,6 +25,14 @@ MAX_MOVES_IN_A_ROW = 3
 STREAM_IDLE_TIMEOUT = 120.0
 
 USER_AGENT = "space-sdk/0.1"
+
+
+async def decoded(resp: httpx.Response) -> AsyncIterator[StreamEvent]:
+    """The whole events of an event stream answer (SSE or frames, by its content type)."""
+    decoder = EventDecoder(resp.headers.get("content-type"))
+    async for chunk in resp.aiter_bytes():
+        for ev in decoder.feed(chunk):
+            yield ev
 
 
 class AsyncHTTP:
@@ -131,7 +139,7 @@ class AsyncHTTP:
         failures = moves_in_a_row = 0
         timeout = httpx.Timeout(self.timeout, read=STREAM_IDLE_TIMEOUT)
         while True:
-            headers = {"Accept": "text/event-stream"}
+            headers = {"Accept": ACCEPT_EVENTS}
             if last > 0:
                 headers["Last-Event-ID"] = str(last)
             connected = progressed = moved = False
@@ -139,26 +147,22 @@ class AsyncHTTP:
             try:
                 async with self.stream("GET", path, params=params, headers=headers, timeout=timeout) as resp:
                     connected = True
-                    decoder = SSEDecoder()
-                    async for line in resp.aiter_lines():
-                        sse = decoder.feed(line)
-                        if sse is None:
-                            continue
-                        seq = sse.seq
+                    async for ev in decoded(resp):
+                        seq = ev.seq
                         if seq is not None:
                             if seq <= last:
                                 continue
                             last = seq
-                        if sse.event == "error":
+                        if ev.event == "error":
                             # The server ended the stream for good (e.g. the sandbox died).
-                            raise errors.from_wire(500, {"error": sse.json()})
-                        if sse.event == "moved":
+                            raise errors.from_wire(500, {"error": ev.data})
+                        if ev.event == "moved":
                             # The sandbox moved to another node: the same request reaches it there.
                             moved = True
                             break
                         progressed = True
-                        yield sse.event, seq, sse.json()
-                        if sse.event == final:
+                        yield ev.event, seq, ev.data
+                        if ev.event == final:
                             return
                 lost = errors.Unavailable(f"the event stream {path} ended before its {final} event")
             except errors.SpaceError as exc:

@@ -14,7 +14,7 @@ import httpx
 from space import errors
 from space.sdk._errors import from_response, translate
 from space.sdk._models import JSON
-from space.sdk._sse import SSEDecoder
+from space.sdk._sse import ACCEPT_EVENTS, EventDecoder, StreamEvent
 
 #: Pauses before successive re-connections of an event stream that keeps failing without progress;
 #: after the last one the stream's error is raised. A stream that made progress retries at once.
@@ -26,6 +26,14 @@ MAX_MOVES_IN_A_ROW = 3
 STREAM_IDLE_TIMEOUT = 120.0
 
 USER_AGENT = "space-sdk/0.1"
+
+
+def decoded(resp: httpx.Response) -> Iterator[StreamEvent]:
+    """The whole events of an event stream answer (SSE or frames, by its content type)."""
+    decoder = EventDecoder(resp.headers.get("content-type"))
+    for chunk in resp.iter_bytes():
+        for ev in decoder.feed(chunk):
+            yield ev
 
 
 class SyncHTTP:
@@ -132,7 +140,7 @@ class SyncHTTP:
         failures = moves_in_a_row = 0
         timeout = httpx.Timeout(self.timeout, read=STREAM_IDLE_TIMEOUT)
         while True:
-            headers = {"Accept": "text/event-stream"}
+            headers = {"Accept": ACCEPT_EVENTS}
             if last > 0:
                 headers["Last-Event-ID"] = str(last)
             connected = progressed = moved = False
@@ -140,26 +148,22 @@ class SyncHTTP:
             try:
                 with self.stream("GET", path, params=params, headers=headers, timeout=timeout) as resp:
                     connected = True
-                    decoder = SSEDecoder()
-                    for line in resp.iter_lines():
-                        sse = decoder.feed(line)
-                        if sse is None:
-                            continue
-                        seq = sse.seq
+                    for ev in decoded(resp):
+                        seq = ev.seq
                         if seq is not None:
                             if seq <= last:
                                 continue
                             last = seq
-                        if sse.event == "error":
+                        if ev.event == "error":
                             # The server ended the stream for good (e.g. the sandbox died).
-                            raise errors.from_wire(500, {"error": sse.json()})
-                        if sse.event == "moved":
+                            raise errors.from_wire(500, {"error": ev.data})
+                        if ev.event == "moved":
                             # The sandbox moved to another node: the same request reaches it there.
                             moved = True
                             break
                         progressed = True
-                        yield sse.event, seq, sse.json()
-                        if sse.event == final:
+                        yield ev.event, seq, ev.data
+                        if ev.event == final:
                             return
                 lost = errors.Unavailable(f"the event stream {path} ended before its {final} event")
             except errors.SpaceError as exc:
