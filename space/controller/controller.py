@@ -45,13 +45,14 @@ from space.errors import (
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
+from space.controller.finish import Finish
 from space.store import Node, Operation, Store, fencing
 from space.store.models import AuditRecord
 from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeups
 
 log = structlog.get_logger("space.controller")
 
-Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
+Handler = Callable[[Operation], Awaitable[dict[str, Any] | Finish | None]]
 
 #: A sandbox whose runtime dies this often within the window is failed instead of recovered again.
 MAX_CRASHES = 3
@@ -337,6 +338,13 @@ class Controller:
             # One operation at a time per target, in order, is the claim's rule
             # (Store.claim_operation), across every replica.
             result = await handler(op)
+            if isinstance(result, Finish):
+                finished, _ = await self.store.finish_with_change(op.id, result.change, result=result.result,
+                                                                  owner=self.owner)
+                if (event := result.change.event) is not None:
+                    bound.info("sandbox.event", sandbox=result.change.sandbox_id, what=event[0], message=event[1])
+                bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
+                return finished
         except LeaseLost:
             raise  # fenced: the lease's holder carries it out (_execute)
         except SpaceError as exc:

@@ -23,7 +23,9 @@ from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, Snaps
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
+from space.controller.finish import Finish
 from space.store import Operation, Sandbox, Snapshot, Store, fencing
+from space.store.sandboxes import StateChange
 from space.store.models import AuditRecord
 
 if TYPE_CHECKING:
@@ -88,31 +90,34 @@ class LifecycleOps:
 
     # -- pause / resume ------------------------------------------------------------------------
 
-    async def pause(self, op: Operation) -> dict[str, Any]:
-        sb = await self.store.get_sandbox(op.target)
-        if sb.state != State.PAUSED:
-            if sb.state != State.RUNNING:
-                raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
-            node = await self._node_of(sb)
-            await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
-            why = "idle" if op.request.get("idle") else "request"
-            sb = await self.moved(sb, State.PAUSED, expect=[State.RUNNING],
-                                  event=("paused", f"paused ({why})", {"reason": why}))
-        return {"sandbox_id": sb.id, "state": str(sb.state)}
+    # The new state is written with the operation's end (Finish): one write, not two.
 
-    async def resume(self, op: Operation) -> dict[str, Any]:
+    async def pause(self, op: Operation) -> dict[str, Any] | Finish:
         sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.PAUSED:
+            return {"sandbox_id": sb.id, "state": str(sb.state)}
         if sb.state != State.RUNNING:
-            if sb.state != State.PAUSED:
-                raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
-            node = await self._node_of(sb)
-            await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
-            sb = await self.moved(sb, State.RUNNING, expect=[State.PAUSED], last_active_at=_now(),
-                                  event=("resumed", "resumed" + (" by a call that needed it" if op.request.get("wake")
-                                                                 else ""), {}))
-        else:
+            raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+        node = await self._node_of(sb)
+        await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
+        why = "idle" if op.request.get("idle") else "request"
+        return Finish({"sandbox_id": sb.id, "state": str(State.PAUSED)},
+                      StateChange(sb.id, State.PAUSED, expect=[State.RUNNING],
+                                  event=("paused", f"paused ({why})", {"reason": why})))
+
+    async def resume(self, op: Operation) -> dict[str, Any] | Finish:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state == State.RUNNING:
             await self.store.touch_sandbox(sb.id, _now())
-        return {"sandbox_id": sb.id, "state": str(sb.state)}
+            return {"sandbox_id": sb.id, "state": str(sb.state)}
+        if sb.state != State.PAUSED:
+            raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+        node = await self._node_of(sb)
+        await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
+        woke = " by a call that needed it" if op.request.get("wake") else ""
+        return Finish({"sandbox_id": sb.id, "state": str(State.RUNNING)},
+                      StateChange(sb.id, State.RUNNING, expect=[State.PAUSED], event=("resumed", "resumed" + woke, {}),
+                                  fields={"last_active_at": _now()}))
 
     # -- snapshots -----------------------------------------------------------------------------
 
