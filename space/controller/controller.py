@@ -21,6 +21,7 @@ import structlog
 from space import failpoints, ids
 from space.controller import placement
 from space.controller.backups import BackupSync
+from space.controller.finish import Finish
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.moves import Moves, start_drain
@@ -45,7 +46,6 @@ from space.errors import (
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
-from space.controller.finish import Finish
 from space.store import Node, Operation, Store, fencing
 from space.store.models import AuditRecord
 from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeups

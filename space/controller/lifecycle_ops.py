@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from space.controller.egress import egress_config
+from space.controller.finish import Finish
 from space.controller.nodes import NodeRegistry
 from space.controller.prefixes import object_prefix, retained_prefix, sandbox_prefix
 from space.controller.sealing import Sealer
@@ -23,10 +24,9 @@ from space.errors import Conflict, InvalidState, NotFound, ObjectTampered, Snaps
 from space.lifecycle import State
 from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
-from space.controller.finish import Finish
 from space.store import Operation, Sandbox, Snapshot, Store, fencing
-from space.store.sandboxes import StateChange
 from space.store.models import AuditRecord
+from space.store.sandboxes import StateChange
 
 if TYPE_CHECKING:
     from space.controller.backups import BackupSync
