@@ -21,7 +21,6 @@ import structlog
 from space import failpoints, ids
 from space.controller import placement
 from space.controller.backups import BackupSync
-from space.controller.finish import Finish
 from space.controller.leader import Leadership
 from space.controller.lifecycle_ops import LifecycleOps
 from space.controller.moves import Moves, start_drain
@@ -52,7 +51,7 @@ from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeu
 
 log = structlog.get_logger("space.controller")
 
-Handler = Callable[[Operation], Awaitable[dict[str, Any] | Finish | None]]
+Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
 
 #: A sandbox whose runtime dies this often within the window is failed instead of recovered again.
 MAX_CRASHES = 3
@@ -338,13 +337,6 @@ class Controller:
             # One operation at a time per target, in order, is the claim's rule
             # (Store.claim_operation), across every replica.
             result = await handler(op)
-            if isinstance(result, Finish):
-                finished, _ = await self.store.finish_with_change(op.id, result.change, result=result.result,
-                                                                  owner=self.owner)
-                if (event := result.change.event) is not None:
-                    bound.info("sandbox.event", sandbox=result.change.sandbox_id, what=event[0], message=event[1])
-                bound.info("operation.succeeded", ms=round((time.perf_counter() - t0) * 1000, 1))
-                return finished
         except LeaseLost:
             raise  # fenced: the lease's holder carries it out (_execute)
         except SpaceError as exc:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from space.controller.egress import egress_config
-from space.controller.finish import Finish
 from space.controller.nodes import NodeRegistry
 from space.controller.prefixes import object_prefix, retained_prefix, sandbox_prefix
 from space.controller.sealing import Sealer
@@ -26,7 +25,6 @@ from space.node.api.client import NodeClient
 from space.objstore import ObjectStore
 from space.store import Operation, Sandbox, Snapshot, Store, fencing
 from space.store.models import AuditRecord
-from space.store.sandboxes import StateChange
 
 if TYPE_CHECKING:
     from space.controller.backups import BackupSync
@@ -90,34 +88,31 @@ class LifecycleOps:
 
     # -- pause / resume ------------------------------------------------------------------------
 
-    # The new state is written with the operation's end (Finish): one write, not two.
-
-    async def pause(self, op: Operation) -> dict[str, Any] | Finish:
+    async def pause(self, op: Operation) -> dict[str, Any]:
         sb = await self.store.get_sandbox(op.target)
-        if sb.state == State.PAUSED:
-            return {"sandbox_id": sb.id, "state": str(sb.state)}
-        if sb.state != State.RUNNING:
-            raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
-        node = await self._node_of(sb)
-        await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
-        why = "idle" if op.request.get("idle") else "request"
-        return Finish({"sandbox_id": sb.id, "state": str(State.PAUSED)},
-                      StateChange(sb.id, State.PAUSED, expect=[State.RUNNING],
-                                  event=("paused", f"paused ({why})", {"reason": why})))
-
-    async def resume(self, op: Operation) -> dict[str, Any] | Finish:
-        sb = await self.store.get_sandbox(op.target)
-        if sb.state == State.RUNNING:
-            await self.store.touch_sandbox(sb.id, _now())
-            return {"sandbox_id": sb.id, "state": str(sb.state)}
         if sb.state != State.PAUSED:
-            raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
-        node = await self._node_of(sb)
-        await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
-        woke = " by a call that needed it" if op.request.get("wake") else ""
-        return Finish({"sandbox_id": sb.id, "state": str(State.RUNNING)},
-                      StateChange(sb.id, State.RUNNING, expect=[State.PAUSED], event=("resumed", "resumed" + woke, {}),
-                                  fields={"last_active_at": _now()}))
+            if sb.state != State.RUNNING:
+                raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+            node = await self._node_of(sb)
+            await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
+            why = "idle" if op.request.get("idle") else "request"
+            sb = await self.moved(sb, State.PAUSED, expect=[State.RUNNING],
+                                  event=("paused", f"paused ({why})", {"reason": why}))
+        return {"sandbox_id": sb.id, "state": str(sb.state)}
+
+    async def resume(self, op: Operation) -> dict[str, Any]:
+        sb = await self.store.get_sandbox(op.target)
+        if sb.state != State.RUNNING:
+            if sb.state != State.PAUSED:
+                raise InvalidState(f"cannot resume a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
+            node = await self._node_of(sb)
+            await node.call("POST", f"/v1/sandboxes/{sb.id}/resume")
+            sb = await self.moved(sb, State.RUNNING, expect=[State.PAUSED], last_active_at=_now(),
+                                  event=("resumed", "resumed" + (" by a call that needed it" if op.request.get("wake")
+                                                                 else ""), {}))
+        else:
+            await self.store.touch_sandbox(sb.id, _now())
+        return {"sandbox_id": sb.id, "state": str(sb.state)}
 
     # -- snapshots -----------------------------------------------------------------------------
 

@@ -236,31 +236,24 @@ class OperationStore(StoreBase):
         With ``owner``, only the holder of the lease may finish (LeaseLost otherwise), so a
         controller that lost its lease cannot overwrite the work of the one that took over.
         """
-        async with self._tx() as s:
-            return await self._finish_in(s, op_id, status, result=result, error_code=error_code,
-                                         error_message=error_message, owner=owner)
-
-    async def _finish_in(self, s: AsyncSession, op_id: str, status: str, *, result: dict[str, Any] | None = None,
-                         error_code: str | None = None, error_message: str | None = None,
-                         owner: str | None = None) -> Operation:
-        """:meth:`finish_operation`'s write, in the caller's transaction."""
         if status not in OPERATION_FINAL:
             raise InvalidRequest(f"invalid final status {status!r}: must be succeeded or failed")
-        op = await self._get(s, Operation, op_id, "operation", lock=True)
-        if owner is not None and op.lease_owner != owner:
-            raise LeaseLost(
-                f"operation {op_id} is leased by {op.lease_owner!r}, not {owner!r}",
-                lease_owner=op.lease_owner,
-            )
-        now = utcnow()
-        op.status = status
-        op.result = result
-        op.error_code = error_code
-        op.error_message = error_message
-        op.lease_expires_at = None
-        op.finished_at = now
-        op.updated_at = now
-        return op
+        async with self._tx() as s:
+            op = await self._get(s, Operation, op_id, "operation", lock=True)
+            if owner is not None and op.lease_owner != owner:
+                raise LeaseLost(
+                    f"operation {op_id} is leased by {op.lease_owner!r}, not {owner!r}",
+                    lease_owner=op.lease_owner,
+                )
+            now = utcnow()
+            op.status = status
+            op.result = result
+            op.error_code = error_code
+            op.error_message = error_message
+            op.lease_expires_at = None
+            op.finished_at = now
+            op.updated_at = now
+            return op
 
     async def append_operation_logs(self, op_id: str, lines: Sequence[str]) -> int:
         """Append lines (numbered from 1 per operation); returns the last sequence number."""

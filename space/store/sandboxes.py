@@ -4,7 +4,6 @@ operation on a sandbox, the snapshot it makes and the state it moves to in one t
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -29,19 +28,6 @@ SANDBOX_FIELDS = frozenset(
      "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
      "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce", "evict_node", "backup"}
 )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StateChange:
-    """A sandbox's move to ``state``, as :meth:`SandboxStore.set_sandbox_state` makes it: a
-    compare-and-set against ``expect``, ``fields`` set alongside, ``event`` (kind, message, data)
-    on its timeline. A value, so that it can be written with something else."""
-
-    sandbox_id: str
-    state: State | str
-    expect: State | str | Sequence[State | str] | None = None
-    event: tuple[str, str, dict[str, Any]] | None = None
-    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class SandboxStore(OperationStore, TenantStore):
@@ -171,31 +157,17 @@ class SandboxStore(OperationStore, TenantStore):
         InvalidState is raised and nothing changes. ``fields`` are set in the same write, and so
         is ``event`` (kind, message, data) on its timeline.
         """
-        change = StateChange(sandbox_id, state, expect=expect, event=event, fields=fields)
+        _check_sandbox_fields(fields)
+        expected = None if expect is None else _states(expect)
         async with self._tx() as s:
-            return await self._change_in(s, change)
-
-    async def finish_with_change(self, op_id: str, change: StateChange, *, result: dict[str, Any],
-                                 owner: str | None = None) -> tuple[Operation, Sandbox]:
-        """Finish ``op_id`` as succeeded (:meth:`finish_operation`) and make ``change`` in the
-        same transaction: an operation whose last step is its sandbox's new state (a pause, a
-        resume) pays one write for both. Neither happens if either cannot (LeaseLost,
-        InvalidState): the operation is then still the lease holder's to finish."""
-        async with self._tx() as s:
-            op = await self._finish_in(s, op_id, "succeeded", result=result, owner=owner)
-            return op, await self._change_in(s, change)
-
-    async def _change_in(self, s: AsyncSession, change: StateChange) -> Sandbox:
-        _check_sandbox_fields(change.fields)
-        expected = None if change.expect is None else _states(change.expect)
-        sb = await self._get(s, Sandbox, change.sandbox_id, "sandbox", lock=True)
-        now = utcnow()
-        _move(sb, change.state, expected, now, change.fields)
-        if change.event is not None:
-            kind, message, data = change.event
-            s.add(SandboxEvent(sandbox_id=sb.id, tenant=sb.tenant, at=now, kind=kind, message=message,
-                               data=dict(data)))
-        return sb
+            sb = await self._get(s, Sandbox, sandbox_id, "sandbox", lock=True)
+            now = utcnow()
+            _move(sb, state, expected, now, fields)
+            if event is not None:
+                kind, message, data = event
+                s.add(SandboxEvent(sandbox_id=sb.id, tenant=sb.tenant, at=now, kind=kind, message=message,
+                                   data=dict(data)))
+            return sb
 
     async def clear_eviction(self, sandbox_id: str, node_id: str) -> None:
         """The copy of ``sandbox_id`` on ``node_id`` is gone (a no-op if the row names another)."""

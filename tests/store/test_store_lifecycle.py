@@ -6,8 +6,6 @@
   returns the sandboxes in the op's order; a failed insert leaves nothing
 - snapshot_in_use: active operations naming it, suspended sandboxes holding it
 - events: ids ascending, paging with after/limit; touch_sandbox only moves forward
-- finish_with_change: the operation's end and its sandbox's new state (and event) in one write;
-  neither happens when the state moved meanwhile or another controller holds the lease
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from space.errors import Conflict, InvalidRequest, InvalidState, LeaseLost, NotFound
+from space.errors import Conflict, InvalidRequest, NotFound
 from space.lifecycle import State
 from space.store import Snapshot, Store
-from space.store.sandboxes import StateChange
 from tests.store.storekit import new_op, new_sandbox, new_snapshot
 
 pytestmark = pytest.mark.anyio
@@ -261,27 +258,3 @@ async def test_events(store: Store) -> None:
     assert [e.id for e in await store.list_events("sb-1", limit=1)] == [first.id]
     assert await store.list_events("sb-1", after=third.id) == []
     assert await store.list_events("sb-none") == []
-
-
-async def test_an_operation_finishes_with_its_sandboxs_new_state_in_one_write(store: Store) -> None:
-    sb, op, _ = await store.create_sandbox(new_sandbox(), new_op())
-    await store.set_sandbox_state(sb.id, State.RUNNING, expect=[State.CREATING])
-    claimed = await store.claim_operation("ctl-a", 30)
-    assert claimed is not None and claimed.id == op.id
-    pause = StateChange(sb.id, State.PAUSED, expect=[State.RUNNING], event=("paused", "paused (request)", {"x": 1}),
-                        fields={"last_active_at": T0})
-    # Another controller's lease, or a state that moved meanwhile: neither write happens.
-    with pytest.raises(LeaseLost):
-        await store.finish_with_change(op.id, pause, result={"state": "paused"}, owner="ctl-b")
-    moved = StateChange(sb.id, State.PAUSED, expect=[State.PAUSED])
-    with pytest.raises(InvalidState):
-        await store.finish_with_change(op.id, moved, result={"state": "paused"}, owner="ctl-a")
-    assert (await store.get_operation(op.id)).status == "running"
-    assert (await store.get_sandbox(sb.id)).state == State.RUNNING and await store.list_events(sb.id) == []
-    finished, paused = await store.finish_with_change(op.id, pause, result={"state": "paused"}, owner="ctl-a")
-    assert (finished.status, finished.result, finished.lease_owner) == ("succeeded", {"state": "paused"}, "ctl-a")
-    assert (paused.state, paused.last_active_at) == (State.PAUSED, T0)
-    got = await store.get_operation(op.id)
-    assert got.status == "succeeded" and got.finished_at is not None
-    assert (await store.get_sandbox(sb.id)).state == State.PAUSED
-    assert [(e.kind, e.data) for e in await store.list_events(sb.id)] == [("paused", {"x": 1})]
