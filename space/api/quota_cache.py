@@ -11,39 +11,30 @@ enforces it at once either way).
 
 from __future__ import annotations
 
-import weakref
-
-from space.controller.fresh import Fresh
+from space.controller.fresh import FreshPerOwner
 from space.store import Store
 from space.store.quotas import Limits, QuotaDemand, relevant
 
 
+async def _limits(store: Store, tenant: str) -> Limits | None:
+    return (await store.effective_quota(tenant))[0]
+
+
 class QuotaCache:
     def __init__(self, ttl: float = 5.0, max_entries: int = 10_000) -> None:
-        self.ttl = ttl
-        self.max_entries = max_entries
-        self._caches: weakref.WeakKeyDictionary[Store, Fresh[str, Limits | None]] = weakref.WeakKeyDictionary()
-
-    def _of(self, store: Store) -> Fresh[str, Limits | None]:
-        cache = self._caches.get(store)
-        if cache is None:
-            async def load(tenant: str) -> Limits | None:
-                return (await store.effective_quota(tenant))[0]
-            cache = self._caches[store] = Fresh("quota_limits", load, ttl=self.ttl, max_entries=self.max_entries)
-        return cache
+        self._limits: FreshPerOwner[Store, str, Limits | None] = FreshPerOwner(
+            "quota_limits", _limits, ttl=ttl, max_entries=max_entries)
 
     async def limits(self, store: Store, tenant: str) -> Limits | None:
         """The limits that hold for ``tenant`` (its own, or the defaults)."""
-        return await self._of(store).get(tenant)
+        return await self._limits.get(store, tenant)
 
     def invalidate(self, tenant: str) -> None:
-        for cache in list(self._caches.values()):
-            cache.forget(tenant)
+        self._limits.forget(tenant)
 
     def invalidate_all(self) -> None:
         """The defaults changed: every tenant on them is affected."""
-        for cache in list(self._caches.values()):
-            cache.clear()
+        self._limits.clear()
 
     async def precheck(self, store: Store, tenant: str, demand: QuotaDemand) -> None:
         """QuotaExceeded if ``demand`` would pass one of the tenant's limits now."""

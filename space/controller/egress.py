@@ -12,12 +12,11 @@ agent → gateway memory.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from space.controller.fresh import Fresh
+from space.controller.fresh import FreshPerOwner
 from space.store import Sandbox
 from space.store.repo import Store
 
@@ -30,21 +29,13 @@ log = structlog.get_logger(__name__)
 #: tenants used lately are read again in the background (:class:`space.controller.fresh.Fresh`).
 TENANT_DEFAULT_TTL = 1.0
 
-_tenant_limits: weakref.WeakKeyDictionary[Store, Fresh[str, tuple[dict[str, Any], list[str] | None]]] = \
-    weakref.WeakKeyDictionary()
-
-
-def _limits_of(store: Store) -> Fresh[str, tuple[dict[str, Any], list[str] | None]]:
-    cache = _tenant_limits.get(store)
-    if cache is None:
-        cache = _tenant_limits[store] = Fresh("tenant_egress_limits", store.tenant_egress_limits,
-                                              ttl=TENANT_DEFAULT_TTL)
-    return cache
+_tenant_limits: FreshPerOwner[Store, str, tuple[dict[str, Any], list[str] | None]] = FreshPerOwner(
+    "tenant_egress_limits", Store.tenant_egress_limits, ttl=TENANT_DEFAULT_TTL)
 
 
 async def tenant_limits(store: Store, tenant: str) -> tuple[dict[str, Any], list[str] | None]:
     """The tenant's default egress policy and its ceiling (None: the deployment's)."""
-    return await _limits_of(store).get(tenant)
+    return await _tenant_limits.get(store, tenant)
 
 
 async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
@@ -52,8 +43,7 @@ async def tenant_default(store: Store, tenant: str) -> dict[str, Any]:
 
 
 def forget_tenant_default(tenant: str) -> None:
-    for cache in list(_tenant_limits.values()):
-        cache.forget(tenant)
+    _tenant_limits.forget(tenant)
 
 
 async def egress_config(store: Store, credentials: CredentialManager | None, sb: Sandbox, *,

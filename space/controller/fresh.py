@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -131,9 +132,57 @@ class Fresh(Generic[K, V]):
                 except Exception as exc:  # the request path reads (and reports) it itself
                     log.warning("fresh.read_failed", cache=self.name, error=str(exc) or repr(exc))
 
+    def stop(self) -> None:
+        """Stop reading in the background (without waiting: :meth:`aclose` waits)."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+
     async def aclose(self) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._keeper
             self._keeper = None
+
+
+Owner = TypeVar("Owner")
+
+
+class FreshPerOwner(Generic[Owner, K, V]):
+    """One :class:`Fresh` per owner (a ``Store``: one process may hold several, e.g. tests, or an
+    API and a controller on different databases), made on first use and gone with its owner.
+    ``load(owner, key)`` reads a value; :meth:`forget` and :meth:`clear` apply to every owner's."""
+
+    def __init__(self, name: str, load: Callable[[Owner, K], Awaitable[V]], *, ttl: float,
+                 max_entries: int = 10_000) -> None:
+        self.name = name
+        self._load = load
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._by_owner: weakref.WeakKeyDictionary[Owner, Fresh[K, V]] = weakref.WeakKeyDictionary()
+
+    def of(self, owner: Owner) -> Fresh[K, V]:
+        cache = self._by_owner.get(owner)
+        if cache is None:
+            load, ref = self._load, weakref.ref(owner)  # a strong one would keep the owner forever
+
+            async def read(key: K) -> V:
+                target = ref()
+                if target is None:
+                    raise ReferenceError(f"{self.name}: the owner of this cache is gone")
+                return await load(target, key)
+
+            cache = self._by_owner[owner] = Fresh(self.name, read, ttl=self.ttl, max_entries=self.max_entries)
+            weakref.finalize(owner, cache.stop)
+        return cache
+
+    async def get(self, owner: Owner, key: K) -> V:
+        return await self.of(owner).get(key)
+
+    def forget(self, key: K) -> None:
+        for cache in list(self._by_owner.values()):
+            cache.forget(key)
+
+    def clear(self) -> None:
+        for cache in list(self._by_owner.values()):
+            cache.clear()

@@ -5,13 +5,14 @@ path (issue 18: those reads were a quarter of a warm create)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 
 import pytest
 
 from space.controller import NodeRegistry
-from space.controller.fresh import Fresh
+from space.controller.fresh import Fresh, FreshPerOwner
 from space.store import Store
 from tests.waiting import await_for
 
@@ -161,3 +162,39 @@ async def eventually(predicate: Callable[[], bool], what: str) -> None:
     async def check() -> bool:
         return predicate()
     await await_for(check, 5, what)
+
+
+class Owner:
+    """Stands for a Store: what the per-owner caches are keyed by (weakly)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+async def test_each_owner_has_its_own_values_a_forget_reaches_all_and_an_owner_gone_takes_its_cache() -> None:
+    reads: list[tuple[str, str]] = []
+
+    async def load(owner: Owner, key: str) -> str:
+        reads.append((owner.name, key))
+        return f"{owner.name}:{key}"
+
+    caches: FreshPerOwner[Owner, str, str] = FreshPerOwner("test", load, ttl=60)
+    a, b = Owner("a"), Owner("b")
+    assert (await caches.get(a, "k"), await caches.get(b, "k")) == ("a:k", "b:k")
+    assert (await caches.get(a, "k"), await caches.get(b, "k")) == ("a:k", "b:k")
+    assert reads == [("a", "k"), ("b", "k")]  # one read per owner, then served
+    caches.forget("k")
+    await caches.get(a, "k")
+    await caches.get(b, "k")
+    assert reads[2:] == [("a", "k"), ("b", "k")]
+    caches.clear()
+    await caches.get(a, "k")
+    assert reads[4:] == [("a", "k")]
+    keeper = caches.of(b)._keeper
+    assert keeper is not None and not keeper.done()
+    del b
+    gc.collect()
+    assert list(caches._by_owner) == [a]  # b's cache went with b, and so did its background reads
+    await asyncio.gather(keeper, return_exceptions=True)
+    assert keeper.cancelled()
+    await caches.of(a).aclose()
