@@ -50,9 +50,14 @@ def output(event: str, seq: int, payload: bytes) -> bytes:
     return b"".join((_LENGTHS.pack(len(header), len(payload)), header, payload))
 
 
+def lists(accept: str | None, media_type: str) -> bool:
+    """Whether an ``Accept`` header names ``media_type`` itself (not merely ``*/*``)."""
+    return any(part.split(";")[0].strip() == media_type for part in (accept or "").split(","))
+
+
 def wants_frames(accept: str | None) -> bool:
-    """Whether an ``Accept`` header asks for frames (listed, not merely ``*/*``)."""
-    return any(part.split(";")[0].strip() == MEDIA_TYPE for part in (accept or "").split(","))
+    """Whether an ``Accept`` header asks for frames."""
+    return lists(accept, MEDIA_TYPE)
 
 
 @dataclass(slots=True)

@@ -108,9 +108,16 @@ SSE_WIRE = EventWire(event_frames.SSE_MEDIA_TYPE, sse, _sse_output, b": keepaliv
 FRAME_WIRE = EventWire(event_frames.MEDIA_TYPE, _frame_event, event_frames.output, event_frames.KEEPALIVE)
 
 
+def asked_wire(accept: str | None) -> EventWire | None:
+    """The event stream a request's ``Accept`` header names (frames first), if it names one."""
+    if event_frames.wants_frames(accept):
+        return FRAME_WIRE
+    return SSE_WIRE if event_frames.lists(accept, event_frames.SSE_MEDIA_TYPE) else None
+
+
 def event_wire(accept: str | None) -> EventWire:
-    """The wire a request's ``Accept`` header asks for: frames if it lists them, else SSE."""
-    return FRAME_WIRE if event_frames.wants_frames(accept) else SSE_WIRE
+    """The wire of an event stream endpoint: what ``Accept`` names, else SSE."""
+    return asked_wire(accept) or SSE_WIRE
 
 
 _FD_NAMES = {1: "stdout", 2: "stderr"}

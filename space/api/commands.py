@@ -15,7 +15,7 @@ from space.api.fields import Bool, Cursor, Int64, Number
 from space.api.openapi import RAW_BODY
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, Unauthorized
-from space.web import FRAME_WIRE, SSE_WIRE, EventStream, EventWire, event_wire
+from space.web import EventStream, asked_wire, event_wire
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/commands")
 
@@ -72,24 +72,14 @@ async def start_command(sandbox_id: str, body: StartCommand, who: Auth, st: St, 
     res = await node.call("POST", f"/v1/sandboxes/{sandbox_id}/commands", json_body=payload)
     res["sandbox_id"] = sandbox_id
     res["attach_token"] = attach_token(st.secret, sandbox_id, cid)
-    wire = _wanted_wire(request)
-    if wire is None:
+    wire = asked_wire(request.headers.get("accept"))
+    if wire is None:  # the command as JSON, unless the caller named an event stream
         return JSONResponse(res, status_code=201)
     # The node held the command's output for its first subscriber: this stream is it.
     events = await node.open_stream("GET", f"/v1/sandboxes/{sandbox_id}/commands/{cid}/events",
                                     params={"after": 0}, headers={"accept": wire.media_type})
     return passthrough(events, wire.media_type, STREAM_HEADERS, first=wire.event("started", res, None),
                        status_code=201)
-
-
-def _wanted_wire(request: Request) -> EventWire | None:
-    """The event stream the caller asked for (listed in ``Accept``, not merely ``*/*``), if any."""
-    accept = request.headers.get("accept", "")
-    if event_frames.wants_frames(accept):
-        return FRAME_WIRE
-    if any(part.split(";")[0].strip() == event_frames.SSE_MEDIA_TYPE for part in accept.split(",")):
-        return SSE_WIRE
-    return None
 
 
 @router.get("")

@@ -110,7 +110,12 @@ class EventDecoder:
 
     def feed(self, chunk: bytes) -> list[StreamEvent]:
         if self._frames is None:
-            return [StreamEvent(sse.event, sse.seq, sse.json()) for sse in self._sse.feed_bytes(chunk)]
+            out = []
+            for sse in self._sse.feed_bytes(chunk):
+                data = sse.json()  # once: ``sse.seq`` of an event without an id would parse it again
+                seq = int(sse.id) if sse.id is not None and sse.id.isdigit() else _seq(data)
+                out.append(StreamEvent(sse.event, seq, data))
+            return out
         try:
             frames = self._frames.feed(chunk)
         except event_frames.FrameError as exc:
