@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import pwd
 import signal
@@ -43,6 +42,7 @@ import structlog
 from space import childenv
 from space.errors import Unavailable
 from space.node import unixsock
+from space.node.network.gateway_client import GatewayClient
 
 if TYPE_CHECKING:
     from space.node.helper.backend import Privileged
@@ -148,54 +148,6 @@ def _no_new_privs_fn() -> Callable[[], None]:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
     return no_new_privs
-
-
-class GatewayClient:
-    """One request, one answer, over the gateway's control socket (newline-delimited JSON)."""
-
-    def __init__(self, socket_path: Path, *, timeout: float = 10.0) -> None:
-        self.socket_path = socket_path
-        self.timeout = timeout
-        self._lock = asyncio.Lock()
-        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-
-    async def call(self, op: str, **args: Any) -> dict[str, Any]:
-        async with self._lock:
-            for attempt in (1, 2):  # a gateway restarted since the last call: reconnect once
-                try:
-                    async with asyncio.timeout(self.timeout):
-                        reader, writer = await self._connection()
-                        writer.write(json.dumps({"op": op, **args}).encode() + b"\n")
-                        await writer.drain()
-                        line = await reader.readline()
-                    if not line:
-                        raise ConnectionResetError("gateway closed the control connection")
-                    reply: dict[str, Any] = json.loads(line)
-                    if not reply.get("ok", False):
-                        raise Unavailable(f"egress gateway refused {op}: {reply.get('error', reply)}")
-                    return reply
-                except (OSError, TimeoutError) as exc:
-                    await self._drop()
-                    if attempt == 2:
-                        raise Unavailable(f"egress gateway unreachable: {exc}", op=op) from exc
-        raise AssertionError("unreachable")
-
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._conn is None:
-            self._conn = await asyncio.open_unix_connection(str(self.socket_path), limit=1 << 24)
-        return self._conn
-
-    async def _drop(self) -> None:
-        if self._conn is not None:
-            _, writer = self._conn
-            self._conn = None
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-    async def close(self) -> None:
-        async with self._lock:
-            await self._drop()
 
 
 class GatewayHandle:
