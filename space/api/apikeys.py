@@ -13,6 +13,7 @@ from space.api import views
 from space.api.auth import ROLES, Principal, principal
 from space.api.state import AppState, app_state
 from space.errors import InvalidRequest, NotFound
+from space.keyforms import e2b_spelling
 
 router = APIRouter(prefix="/v1/apikeys")
 
@@ -32,7 +33,8 @@ async def create_key(body: CreateKey, who: Auth, st: St) -> JSONResponse:
     if body.role not in ROLES:
         raise InvalidRequest(f"role must be one of {', '.join(ROLES)}")
     row, key = await st.store.create_api_key(body.tenant, body.role, body.name)
-    return JSONResponse({**views.apikey(row), "key": key}, status_code=201)
+    # The same key as E2B's SDKs want it spelled (space.keyforms): either authenticates.
+    return JSONResponse({**views.apikey(row), "key": key, "e2b_key": e2b_spelling(key)}, status_code=201)
 
 
 @router.get("")

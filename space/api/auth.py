@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.api.limits import has_body
 from space.errors import Forbidden, JoinTokenRefused, SpaceError, Unauthorized
+from space.keyforms import canonical
 from space.web import error_response
 
 ROLES = ("admin", "member", "readonly")
@@ -132,6 +133,7 @@ async def principal(request: HTTPConnection) -> Principal:
 async def principal_of_key(request: HTTPConnection, key: str) -> Principal:
     """The principal of an API key however the request carried it (E2B's facade: ``X-API-KEY``)."""
     state = request.app.state.space
+    key = canonical(key)  # E2B's spelling of it too (space.keyforms): one cache entry for both
     who: Principal | None = state.keys.get(key)
     if who is None:
         row = await state.store.authenticate(key)

@@ -20,6 +20,7 @@ from space.errors import InvalidPath
 from space.node.network.port_proxy import (
     METHODS,
     OWN_RESPONSE_HEADERS,
+    UPSTREAM_HOST,
     UPSTREAM_STATUS,
     RelayResponse,
     end_to_end,
@@ -56,12 +57,14 @@ async def proxy_to_port(st: AppState, sb: Sandbox, node: SandboxNode, port: int,
     client sent it), with or without its leading ``/``, without a query.
 
     The caller's ``Authorization`` (its API key) is not passed on; the server sees ``Host:
-    localhost:<port>``, nor any header named in ``drop`` (lowercase). Nothing listening: 502
-    ``port_not_open``."""
+    localhost:<port>`` (or the sandbox's ``port_host``), nor any header named in ``drop``
+    (lowercase). Nothing listening: 502 ``port_not_open``."""
     headers: dict[str, str] = {}
-    for k, v in end_to_end(request.headers.raw, drop=("host", "authorization", "expect", *drop)):
+    for k, v in end_to_end(request.headers.raw, drop=("host", "authorization", "expect", UPSTREAM_HOST, *drop)):
         name, value = k.decode("latin-1"), v.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    if sb.port_host:
+        headers[UPSTREAM_HOST] = sb.port_host
     query = request.scope.get("query_string", b"").decode("latin-1")
     route = f"/v1/sandboxes/{sb.id}/ports/{port}"
     target = _node_target(sb.id, port, path, query)
@@ -83,8 +86,10 @@ async def proxy_websocket(sb: Sandbox, node: SandboxNode, port: int, path: str, 
     route = f"/v1/sandboxes/{sb.id}/ports/{port}"
     target = _node_target(sb.id, port, path, query)
     try:
-        far = await node.open_websocket(route, tail=target[len(route):],
-                                        headers=forwarded_headers(websocket.headers.raw, drop=drop),
+        headers = forwarded_headers(websocket.headers.raw, drop=(UPSTREAM_HOST, *drop))
+        if sb.port_host:
+            headers.append((UPSTREAM_HOST, sb.port_host))
+        far = await node.open_websocket(route, tail=target[len(route):], headers=headers,
                                         subprotocols=websocket.scope.get("subprotocols") or ())
     except Refused as refused:
         answer = refused.response

@@ -25,6 +25,7 @@ from space.controller.egress import egress_config
 from space.errors import Conflict, InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
 from space.lifecycle import Action, State, allowed_actions, require
 from space.node.api.client import NodeClient
+from space.node.network.port_proxy import PORT_HOST_MAX, PORT_HOST_PATTERN
 from space.retention import SnapshotPolicy
 from space.store import Operation, Sandbox
 from space.store.quotas import QuotaDemand
@@ -67,6 +68,9 @@ class CreateSandboxBody(BaseModel):
     auto_resume: Bool = True
     #: Whether its servers answer E2B-style port traffic without its access token (E2B's default).
     public_ports: Bool = False
+    #: The ``Host`` its servers see on port traffic, ``${PORT}`` standing for the port (e.g.
+    #: ``app.example.com:${PORT}``); default ``localhost:<port>``.
+    port_host: str | None = Field(None, min_length=1, max_length=PORT_HOST_MAX, pattern=PORT_HOST_PATTERN)
     #: Start from this snapshot (files, and with a full one the processes) instead of the template.
     snapshot: str | None = Field(None, min_length=1, max_length=64)
     #: MiB the sandbox may write beyond its template (writes past it fail with EDQUOT inside it
@@ -112,6 +116,7 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
         expire_action=body.on_expire, auto_resume=body.auto_resume, public_ports=body.public_ports,
+        port_host=body.port_host,
     )
     op = Operation(
         id=ids.operation_id(), tenant=who.tenant, kind="sandbox.create", target=sid, status="pending",
@@ -188,6 +193,7 @@ async def _create_from_snapshot(st: AppState, who: Principal, body: CreateSandbo
         egress=egress_policy, secrets=bound, project=body.project,
         expires_at=(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=body.lifetime_s)) if body.lifetime_s else None,
         expire_action=body.on_expire, auto_resume=body.auto_resume, public_ports=body.public_ports,
+        port_host=body.port_host,
     )
     op = Operation(id=ids.operation_id(), tenant=who.tenant, kind="sandbox.fork", target=src.id, status="pending",
                    idempotency_key=idempotency_key,

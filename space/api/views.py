@@ -38,6 +38,7 @@ def sandbox(sb: Sandbox) -> dict[str, Any]:
         "on_expire": sb.expire_action,
         "auto_resume": sb.auto_resume,
         "public_ports": sb.public_ports,
+        "port_host": sb.port_host,
         "last_active_at": _ts(sb.last_active_at),
         "snapshot_policy": sb.snapshot_policy or {},
         "parent_id": sb.parent_id,

@@ -37,6 +37,7 @@ from space.e2b import tokens
 from space.e2b.edge import json_body, timed_out
 from space.errors import InvalidState, NotFound, SpaceError, Unauthorized
 from space.lifecycle import Action, State
+from space.node.network.port_proxy import PORT_HOST_MAX, PORT_HOST_PATTERN
 from space.store import Operation, Sandbox
 
 log = structlog.get_logger("space.e2b.control")
@@ -116,7 +117,7 @@ def token_view(st: AppState, sb: Sandbox) -> dict[str, str]:
 def sandbox_view(st: AppState, sb: Sandbox) -> dict[str, Any]:
     """What create, connect, fork and a rotation answer: only to keys that may write."""
     return {"templateID": sb.template, "sandboxID": sb.id, "clientID": CLIENT_ID, "alias": sb.template,
-            "envdVersion": ENVD_VERSION, "domain": None, **token_view(st, sb)}
+            "envdVersion": ENVD_VERSION, "domain": st.e2b_domain, **token_view(st, sb)}
 
 
 def listed_view(sb: Sandbox) -> dict[str, Any]:
@@ -130,7 +131,7 @@ def listed_view(sb: Sandbox) -> dict[str, Any]:
 def detail_view(st: AppState, sb: Sandbox, who: Principal) -> dict[str, Any]:
     # A readonly key sees the sandbox, not its tokens: either would let it act on the sandbox.
     secrets = {} if who.read_only else {"envdAccessToken": tokens.envd_token(st.secret, sb)}
-    return {**listed_view(sb), **secrets, "domain": None,
+    return {**listed_view(sb), **secrets, "domain": st.e2b_domain,
             "allowInternetAccess": (sb.egress or {}).get("default") != "deny",
             "lifecycle": {"onTimeout": "kill" if sb.expire_action == "delete" else "pause",
                           "autoResume": bool(sb.auto_resume)},
@@ -161,6 +162,9 @@ class Network(BaseModel):
     allow_out: list[str] | None = Field(None, alias="allowOut", max_length=256)
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+    #: The Host its servers see (``${PORT}``: the port); checked here as SPACE's ``port_host`` is.
+    mask_request_host: str | None = Field(None, alias="maskRequestHost", min_length=1, max_length=PORT_HOST_MAX,
+                                          pattern=PORT_HOST_PATTERN)
 
 
 class NewSandbox(BaseModel):
@@ -305,6 +309,8 @@ async def _create(st: AppState, who: Principal, body: NewSandbox, idempotency_ke
         "egress": egress_of(body.allow_internet_access, body.network),
         # E2B's default: a sandbox's ports are public unless it says otherwise.
         "public_ports": body.network is None or body.network.allow_public_traffic is not False,
+        **({"port_host": body.network.mask_request_host}
+           if body.network is not None and body.network.mask_request_host is not None else {}),
     })
     sb, op, status = await space_sandboxes.create(st, who, space_body, idempotency_key)
     if status != 201:

@@ -51,7 +51,8 @@ def create_ports_app(state: AppState) -> FastAPI:
 
     @app.exception_handler(Unauthenticated)
     async def _unauthenticated(_: Request, exc: Unauthenticated) -> Response:
-        return http_error(401, exc.message)
+        # E2B answers a private port's request without its token 403 (its own SDK tests check it).
+        return http_error(403, exc.message)
 
     @app.exception_handler(SpaceError)
     async def _space(_: Request, exc: SpaceError) -> Response:

@@ -10,10 +10,11 @@ from sqlalchemy import func, select
 
 from space import ids
 from space.errors import Conflict, InvalidRequest
+from space.keyforms import API_KEY_PREFIX, canonical
 from space.store.base import StoreBase
 from space.store.models import API_KEY_ROLES, ApiKey, utcnow
 
-API_KEY_PREFIX = "sk_"
+__all__ = ["API_KEY_PREFIX", "ApiKeyStore", "hash_key"]
 
 
 def hash_key(key: str) -> str:
@@ -39,9 +40,10 @@ class ApiKeyStore(StoreBase):
         return row, key
 
     async def authenticate(self, key: str) -> ApiKey | None:
-        """The active key with this plaintext, or None (unknown or revoked)."""
+        """The active key with this plaintext, in either spelling (:mod:`space.keyforms`), or None
+        (unknown or revoked)."""
         async with self._tx(write=False) as s:
-            row = await s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+            row = await s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(canonical(key))))
         if row is None or row.revoked_at is not None:
             return None
         return row

@@ -248,6 +248,9 @@ class Sandbox(Base):
     #: Whether E2B-style port traffic (``E2b-Sandbox-Port``, ``<port>-<id>.<domain>``) reaches its
     #: servers without the sandbox's access token (E2B's ``allowPublicTraffic``).
     public_ports: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: The ``Host`` its servers see on port traffic, ``${PORT}`` standing for the port (E2B's
+    #: ``maskRequestHost``); None: ``localhost:<port>``.
+    port_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     #: Per-sandbox snapshot schedule/retention overrides; interpreted by the scheduler, not here.
     snapshot_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Only moves forward (``Store.touch_sandbox``), so late activity reports cannot rewind it.

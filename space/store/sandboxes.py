@@ -25,7 +25,7 @@ from space.store.tenants import TenantStore
 SANDBOX_FIELDS = frozenset(
     {"template", "template_digest", "node_id", "instance_id", "cpu", "memory_mb", "disk_mb", "env", "meta",
      "error_code", "error_message", "idle_pause_s", "idle_suspend_s", "expires_at",
-     "expire_action", "auto_resume", "public_ports", "snapshot_policy", "last_active_at", "parent_id",
+     "expire_action", "auto_resume", "public_ports", "port_host", "snapshot_policy", "last_active_at", "parent_id",
      "source_snapshot", "snapshot_id", "egress", "secrets", "token_nonce", "evict_node", "backup"}
 )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import Result
 
+from space.keyforms import e2b_spelling
 from tests.sdk.fake_api import FakeAPI
 
 Run = Callable[..., Result]
@@ -91,6 +92,19 @@ def test_apikey_create_prints_only_the_key(fake: FakeAPI, space: Run) -> None:
     assert [k["id"] for k in listed] == [key["id"]]
     assert space("apikey", "delete", key["id"]).exit_code == 0
     assert fake.apikeys == {}
+
+
+def test_apikey_in_e2b_spelling(fake: FakeAPI, space: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = space("apikey", "create", "--tenant", "acme", "--e2b")
+    [key] = fake.apikeys.values()
+    assert result.exit_code == 0 and result.stdout == f"{e2b_spelling(key['key'])}\n"
+    assert space("apikey", "e2b", "sk_abc").stdout == f"{e2b_spelling('sk_abc')}\n"
+    monkeypatch.setenv("SPACE_API_KEY", "sk_from_env")
+    assert space("apikey", "e2b").stdout == f"{e2b_spelling('sk_from_env')}\n"
+    monkeypatch.delenv("SPACE_API_KEY")
+    refused = space("apikey", "e2b")
+    assert refused.exit_code == 2 and refused.stdout == "" and "SPACE API key" in refused.stderr
+    assert space("apikey", "e2b", "not-a-key").exit_code == 2
 
 
 def test_json_outputs_parse(fake: FakeAPI, space: Run, sandbox_id: str) -> None:

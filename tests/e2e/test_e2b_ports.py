@@ -53,21 +53,47 @@ def test_port_traffic_reaches_the_sandbox_server(made: e2b_env.Sandboxes, server
     sbx = e2b.Sandbox.create()
     made.add(sbx.sandbox_id)
     _serve(sbx, server)
-    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000", "x-access-token": "secret-ish"}
+    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000", "x-access-token": "secret-ish",
+         # Only the control plane names the Host the server sees (a sandbox's port_host): not a client.
+         "x-space-upstream-host": "claimed.example"}
     r = httpx.post(f"{server.url}/echo/a%20b?x=1", headers=h, content=b"payload")
     assert r.status_code == 201
     got = r.json()
     assert got["path"] == "/echo/a%20b?x=1" and got["method"] == "POST" and got["body"] == "payload"
+    assert got["headers"]["host"] == "localhost:8000" and "x-space-upstream-host" not in got["headers"]
     # The facade's routing headers and tokens are its own: the server never sees them.
     assert not {"e2b-sandbox-id", "e2b-sandbox-port", "x-access-token"} & got["headers"].keys()
-    # The host form, as Sandbox.get_host() builds it (needs --e2b-domain).
-    assert sbx.get_host(8000) == f"8000-{sbx.sandbox_id}.e2b.app"  # the SDK's domain, not ours
-    host = f"8000-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}"
+    # The host form, as Sandbox.get_host() builds it from the domain create answered (--e2b-domain).
+    host = sbx.get_host(8000)
+    assert host == f"8000-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}"
+    assert e2b.Sandbox.connect(sbx.sandbox_id).get_host(8000) == host  # connect answers it too
     r = httpx.get(f"{server.url}/by-host", headers={"host": host})
     assert r.status_code == 200 and r.json()["path"] == "/by-host"
     # Nothing on that port: E2B's 502 wording, which the SDK maps to "unreachable".
     closed = httpx.get(f"{server.url}/", headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8001"})
     assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
+
+
+def test_mask_request_host_is_the_host_the_server_sees(made: e2b_env.Sandboxes, server: Server) -> None:
+    sbx = e2b.Sandbox.create(network={"mask_request_host": "custom-host.example.com:${PORT}"})
+    made.add(sbx.sandbox_id)
+    _serve(sbx, server)
+    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000", "x-space-upstream-host": "claimed.example"}
+    seen = httpx.get(f"{server.url}/", headers=h).json()["headers"]
+    assert seen["host"] == "custom-host.example.com:8000" and "x-space-upstream-host" not in seen
+    # SPACE's own port route and its view of the sandbox: the same setting.
+    key = {"authorization": f"Bearer {server.admin_key}"}
+    own = httpx.get(f"{server.url}/v1/sandboxes/{sbx.sandbox_id}/ports/8000/x", headers=key)
+    assert own.json()["headers"]["host"] == "custom-host.example.com:8000"
+    view = httpx.get(f"{server.url}/v1/sandboxes/{sbx.sandbox_id}", headers=key).json()
+    assert view["port_host"] == "custom-host.example.com:${PORT}"
+    # A Host that could split the request, or is no host, is refused before anything is made.
+    for bad in ("two words", "evil\r\nx-injected: 1", "a/b", ""):
+        r = httpx.post(f"{server.url}/v2/sandboxes", headers={"x-api-key": server.admin_key},
+                       json={"templateID": "base", "network": {"maskRequestHost": bad}})
+        assert r.status_code == 400, (bad, r.text)
+        r = httpx.post(f"{server.url}/v1/sandboxes", headers=key, json={"port_host": bad})
+        assert r.status_code == 422 and "port_host" in r.json()["error"]["message"], r.text
 
 
 def test_private_ports_need_the_traffic_token(made: e2b_env.Sandboxes, server: Server) -> None:
@@ -84,8 +110,9 @@ def test_private_ports_need_the_traffic_token(made: e2b_env.Sandboxes, server: S
         return r.status_code == 200
 
     wait_for(up, timeout=30, what="the server in the sandbox")
-    assert httpx.get(f"{server.url}/", headers=h).status_code == 401
-    assert httpx.get(f"{server.url}/", headers={**h, "e2b-traffic-access-token": "wrong"}).status_code == 401
+    # E2B's answer without the token (its own SDK tests check for 403), and with a wrong one.
+    assert httpx.get(f"{server.url}/", headers=h).status_code == 403
+    assert httpx.get(f"{server.url}/", headers={**h, "e2b-traffic-access-token": "wrong"}).status_code == 403
 
 
 def test_websockets_through_port_routing(made: e2b_env.Sandboxes, server: Server) -> None:
@@ -124,7 +151,7 @@ def test_websockets_through_port_routing(made: e2b_env.Sandboxes, server: Server
     assert not {"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"} & seen["headers"].keys()
     with pytest.raises(InvalidStatus) as refused:
         connect(url, additional_headers=routing, proxy=None, open_timeout=30)
-    assert refused.value.response.status_code == 401
+    assert refused.value.response.status_code == 403
     # The host form, as behind wildcard DNS.
     by_host = greeting(token, host=f"{PORT}-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}")
     assert by_host is not None and by_host["target"] == "/chat?room=1"

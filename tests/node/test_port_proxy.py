@@ -16,9 +16,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from space.errors import InvalidPath, NotFound
+from space.errors import InvalidPath, InvalidRequest, NotFound
 from space.node.network.namespaces import SandboxNet
-from space.node.network.port_proxy import UPSTREAMS, ports_router
+from space.node.network.port_proxy import UPSTREAM_HOST, UPSTREAMS, ports_router, upstream_host
 from space.web import install_error_handlers
 from tests.waiting import await_for
 
@@ -212,3 +212,30 @@ def test_dot_segments_cannot_leave_the_ports_route() -> None:
     for bad in ("../../other/files", "a/./b", "a/.."):
         with pytest.raises(InvalidPath):
             _node_target("s1", 80, bad, "")
+
+
+def test_the_host_a_server_sees() -> None:
+    """``localhost:<port>`` unless the control plane names one (a sandbox's ``port_host``), whose
+    ``${PORT}`` is the port; anything that is not one host[:port] is refused, never passed on."""
+    assert upstream_host([(b"accept", b"*/*")], 8000) == "localhost:8000"
+    named = [(b"X-Space-Upstream-Host", b"custom-host.example.com:${PORT}")]
+    assert upstream_host(named, 8000) == "custom-host.example.com:8000"
+    assert upstream_host([(UPSTREAM_HOST.encode(), b"[::1]:${PORT}")], 3000) == "[::1]:3000"
+    for bad in ([(UPSTREAM_HOST.encode(), b"a b")], [(UPSTREAM_HOST.encode(), b"a\r\nx: 1")],
+                [(UPSTREAM_HOST.encode(), b"a/b")], [(UPSTREAM_HOST.encode(), b"")],
+                [(UPSTREAM_HOST.encode(), b"a" * 256)],
+                [(UPSTREAM_HOST.encode(), b"a"), (UPSTREAM_HOST.encode(), b"b")]):
+        with pytest.raises(InvalidRequest, match=UPSTREAM_HOST):
+            upstream_host(bad, 80)
+
+
+async def test_the_host_the_control_plane_names_reaches_the_server(
+        client: httpx.AsyncClient, upstream: Upstream) -> None:
+    r = await client.get(f"/v1/sandboxes/{SID}/ports/{upstream.port}/",
+                         headers={UPSTREAM_HOST: "app.example.com:${PORT}"})
+    assert r.status_code == 200, r.text
+    headers = {k.lower(): v for k, v in r.json()["headers"]}
+    assert headers["host"] == f"app.example.com:{upstream.port}"
+    assert UPSTREAM_HOST not in headers
+    refused = await client.get(f"/v1/sandboxes/{SID}/ports/{upstream.port}/", headers={UPSTREAM_HOST: "a b"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"

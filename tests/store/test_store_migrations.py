@@ -52,7 +52,7 @@ async def test_stamped_at_head_and_reopen_is_noop(store: Store) -> None:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     async with store._engine.connect() as conn:
         current = await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
-    assert current == head == "0019"
+    assert current == head == "0020"
     again = await Store.open(store.url)  # a second replica starting up
     await again.close()
 

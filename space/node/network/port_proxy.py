@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -38,7 +39,7 @@ from fastapi import APIRouter, Path, Request, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from space.errors import BadGateway, PortNotOpen
+from space.errors import BadGateway, InvalidRequest, PortNotOpen
 
 if TYPE_CHECKING:
     from space.node.sandboxes.manager import SandboxManager
@@ -53,6 +54,14 @@ _KEEPALIVE = ((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1), (socket.IPPROTO_TCP, 
               (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 120_000))
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 UPSTREAM_STATUS = "x-space-upstream-status"
+#: The header in which the control plane names the ``Host`` a sandbox's servers see (the sandbox's
+#: ``port_host``, E2B's ``maskRequestHost``); without it they see ``localhost:<port>``. A client's
+#: own copy never gets past the API (:func:`space.api.ports.proxy_to_port` drops it).
+UPSTREAM_HOST = "x-space-upstream-host"
+#: A ``port_host``: host name or address characters, with ``${PORT}`` standing for the port anywhere.
+PORT_HOST_PATTERN = r"^(?:[A-Za-z0-9._~\-\[\]:]|\$\{PORT\})+$"
+PORT_HOST_MAX = 255
+_PORT_HOST = re.compile(PORT_HOST_PATTERN)
 #: Headers of one hop only (RFC 9110 7.6.1), plus the ones every hop sets itself.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"})
@@ -86,6 +95,18 @@ def upstream_target(scope: Scope) -> bytes:
 
 
 #: What a relayed body's iterator raises when the far side broke off (reset, closed mid-body).
+def upstream_host(raw: Iterable[tuple[bytes, bytes]], port: int) -> str:
+    """The ``Host`` the server on ``port`` sees: the control plane's :data:`UPSTREAM_HOST` with
+    ``${PORT}`` replaced, else ``localhost:<port>`` (what dev servers' host checks accept)."""
+    named = [v for k, v in raw if k.lower() == UPSTREAM_HOST.encode()]
+    if not named:
+        return f"localhost:{port}"
+    template = named[0].decode("latin-1")
+    if len(named) > 1 or len(template) > PORT_HOST_MAX or not _PORT_HOST.match(template):
+        raise InvalidRequest(f"{UPSTREAM_HOST} must be one host[:port], ${{PORT}} for the port", header=UPSTREAM_HOST)
+    return template.replace("${PORT}", str(port))
+
+
 UPSTREAM_BROKE = (httpcore.NetworkError, httpcore.ProtocolError, httpx.TransportError)
 
 
@@ -288,11 +309,11 @@ def ports_router(manager: SandboxManager) -> APIRouter:
         if net is None:
             raise PortNotOpen(f"sandbox {sandbox_id} runs without network: port is not open (port {port})",
                               sandbox_id=sandbox_id, port=port)
-        headers = end_to_end(request.headers.raw, drop=("host", "authorization", "expect"))
+        host = upstream_host(request.headers.raw, port)
+        headers = end_to_end(request.headers.raw, drop=("host", "authorization", "expect", UPSTREAM_HOST))
         if "transfer-encoding" in request.headers and "content-length" not in request.headers:
             headers.append((b"transfer-encoding", b"chunked"))
-        # The server sees itself addressed as localhost (what dev servers' host checks accept).
-        headers.insert(0, (b"host", f"localhost:{port}".encode()))
+        headers.insert(0, (b"host", host.encode()))
         up = await open_upstream(manager, sandbox_id, net.sandbox_ip, port)
         conn = httpcore.AsyncHTTP11Connection(httpcore.Origin(b"http", net.sandbox_ip.encode(), port), up)
         body = request.stream() if has_body(request.headers.raw) else None

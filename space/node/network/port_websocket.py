@@ -41,9 +41,11 @@ from websockets.uri import WebSocketURI
 from space.errors import BadGateway, PortNotOpen
 from space.node.network.port_proxy import (
     OWN_RESPONSE_HEADERS,
+    UPSTREAM_HOST,
     UPSTREAM_STATUS,
     end_to_end,
     open_upstream,
+    upstream_host,
     upstream_target,
 )
 
@@ -336,13 +338,13 @@ def port_websocket_router(manager: SandboxManager) -> APIRouter:
         if net is None:
             raise PortNotOpen(f"sandbox {sandbox_id} runs without network: port is not open (port {port})",
                               sandbox_id=sandbox_id, port=port)
+        host = upstream_host(websocket.headers.raw, port)  # as for any proxied request
         up = await open_upstream(manager, sandbox_id, net.sandbox_ip, port)
         assert up.reader is not None and up.writer is not None
         try:
-            # The server sees itself addressed as localhost, as for any proxied request.
-            far = await ClientSocket.open(up.reader, up.writer, host=f"localhost:{port}",
+            far = await ClientSocket.open(up.reader, up.writer, host=host,
                                           target=upstream_target(websocket.scope).decode("latin-1"),
-                                          headers=forwarded_headers(websocket.headers.raw),
+                                          headers=forwarded_headers(websocket.headers.raw, drop=(UPSTREAM_HOST,)),
                                           subprotocols=websocket.scope.get("subprotocols") or (), on_close=up.close)
         except Refused as refused:
             up.close()
