@@ -31,6 +31,12 @@ fi
 
 apt_install btrfs-progs debootstrap iproute2 util-linux python3-venv ca-certificates \
   postgresql zstd procps gcc libc6-dev nftables acl publicsuffix
+# Templates from container images: skopeo pulls by digest, umoci unpacks; the tests push images to a
+# registry of their own on loopback (docker-registry) and build them with buildah.
+apt_install skopeo umoci docker-registry buildah
+# The package's own registry service would listen on :5000 of every interface: only tests run one,
+# on loopback, with their own configuration.
+if [ -d /run/systemd/system ]; then systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
 # (The version is captured first: `runsc --version | grep -q` under pipefail fails whenever grep
 # exits before runsc has written everything, which reinstalled runsc or ended this script early.)
 runsc_version="$(runsc --version 2>/dev/null || true)"

@@ -117,7 +117,7 @@ commit_image "$root" space 10001:10001 '["/opt/space/.venv/bin/space"]'
 
 # -- 4. space-node: the node agent, root (it drops to space-node once its helper runs) ---------------
 # Its Debian packages and users, once per package set (what changes with the checkout comes after).
-node_pkgs="btrfs-progs nftables iproute2 util-linux mount zstd debootstrap procps acl publicsuffix kmod"
+node_pkgs="btrfs-progs nftables iproute2 util-linux mount zstd debootstrap procps acl publicsuffix kmod skopeo umoci"
 node_base=$work/root-$suite-node-$(printf '%s|%s|runsc:trixie|users:2' "$base_pkgs" "$node_pkgs" | sha256sum | cut -c1-12)
 if [ ! -x "$node_base/usr/bin/runsc" ]; then
   say "space-node: Debian packages ($node_pkgs; runsc from trixie)"

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mirror", action="append", default=[], type=_mirror,
                    help="a Debian mirror template builds may debootstrap from (repeatable; default "
                         "http://deb.debian.org/debian)")
+    p.add_argument("--registry", action="append", default=[], type=_registry,
+                   help="a container registry template builds may pull images from, https://host[:port] "
+                        "(http:// for one without TLS; repeatable; default none)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit with this process (the node agent that started the helper)")
     p.add_argument("--stop-fd", type=int, default=None,
@@ -94,6 +97,14 @@ def _mirror(value: str) -> str:
     return value
 
 
+def _registry(value: str) -> str:
+    from space.node.helper.verbs_oci import REGISTRY_RE
+
+    if REGISTRY_RE.fullmatch(value.rstrip("/")) is None:
+        raise argparse.ArgumentTypeError(f"not an https:// (or http://) registry URL with a host: {value}")
+    return value.rstrip("/")
+
+
 def _gateway(value: str) -> GatewayConfig:
     try:
         return GatewayConfig.from_json(json.loads(value))
@@ -118,7 +129,7 @@ async def _main(args: argparse.Namespace) -> None:
     ctx = HelperContext(data_dir=args.data_dir, cache_dir=args.cache_dir, pool_root=args.pool_root,
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
                         agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
-                        sandbox_network=args.sandbox_network,
+                        registries=tuple(args.registry), sandbox_network=args.sandbox_network,
                         # once, at the start: a host whose cgroups cannot hold sandboxes stops here
                         cgroups=cgroups.host())
     stop = asyncio.Event()

@@ -82,6 +82,9 @@ class HelperContext:
     gateway: GatewayConfig | None = None
     #: The Debian mirrors template builds may debootstrap from (empty: the default one only).
     mirrors: tuple[str, ...] = ()
+    #: The container registries template builds may pull images from, ``https://host[:port]``
+    #: (``http://`` for one without TLS); empty: none.
+    registries: tuple[str, ...] = ()
     #: The deployment's sandbox address range; this node takes a /20 of it (net.setup).
     sandbox_network: ipaddress.IPv4Network = field(
         default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SANDBOX_NETWORK))
@@ -181,6 +184,7 @@ def load_all() -> None:
         verbs_core,
         verbs_gateway,
         verbs_net,
+        verbs_oci,
         verbs_pool,
         verbs_runtime,
         verbs_stream,

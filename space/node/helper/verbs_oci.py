@@ -1,0 +1,213 @@
+"""``template.oci``: a container image's root filesystem into the empty tree ``template.begin`` made.
+
+The image is named by digest only (``registry/repository@sha256:<64 hex>``): the control plane
+resolves a tag once, and the same digest is the same template. It is pulled from a registry on the
+operator's list (``--registry``), the way debootstrap pulls only from the operator's mirrors, with
+Debian's ``skopeo`` into a root-only staging directory (``--preserve-digests``: the manifest is
+kept byte for byte, so the digest asked for is the digest unpacked, and skopeo checks every blob
+against its digest), then unpacked with Debian's ``umoci`` (``raw unpack``: layers in order,
+whiteouts applied, ownership, modes and extended attributes as the image says, every path resolved
+inside the tree). Neither runs a binary of the image. The trust policy is the helper's own file, not
+the host's ``/etc/containers/policy.json``; credentials never come from the host's either (no
+``$XDG_RUNTIME_DIR`` auth file: the environment is the helper's fixed one).
+
+umoci writes into the tree as :data:`FIRST_STAGE` binds it, on a root-only mount point in a mount
+namespace of its own: the tree is the descriptor the check opened, never a path the agent could
+swap. The image's config (env, user, working directory, entrypoint and command) is read from the
+staging directory with every size bounded, and returned for the template's defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+
+from space.errors import Conflict, InvalidRequest, RuntimeFailure
+from space.node.helper import privileged
+from space.node.helper.verbs import Call, HelperContext, check, verb
+from space.node.helper.verbs_template import _BUILDS, FIRST_STAGE, _exclusive, _open_work, is_work
+
+log = structlog.get_logger(__name__)
+
+OCI_CAP: Final = 3600.0
+#: ``host[:port]/path@sha256:<hex>``: lowercase repository path components as the distribution
+#: spec allows them; no tag (a tag is resolved to a digest before a build is asked for).
+IMAGE_RE: Final = re.compile(
+    r"(?P<registry>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)"
+    r"/(?P<repository>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*){0,15})"
+    r"@(?P<digest>sha256:[0-9a-f]{64})")
+#: A registry the operator allows: ``https://host[:port]``, or ``http://`` for one without TLS.
+REGISTRY_RE: Final = re.compile(r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)")
+#: Bounds on what is read of the pulled image: its index, its manifest, its config.
+MAX_INDEX: Final = 1 << 20
+MAX_MANIFEST: Final = 4 << 20
+MAX_CONFIG: Final = 4 << 20
+#: The helper's trust policy: the digest pins the content (signature policies: not yet).
+POLICY: Final = json.dumps({"default": [{"type": "insecureAcceptAnything"}]})
+TAG: Final = "space"
+#: skopeo and umoci get nothing of the helper's environment (no proxy, no auth file location).
+ENV: Final = {"LC_ALL": "C.UTF-8"}
+TAIL_LINES: Final = 40
+
+
+def is_image(value: str) -> bool:
+    return IMAGE_RE.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class OciArgs:
+    work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
+    image: str = field(metadata=check(is_image, "registry/repository@sha256:<64 hex>"))
+
+
+def registries_of(ctx: HelperContext) -> dict[str, str]:
+    """The operator's registries: host[:port] -> scheme."""
+    out: dict[str, str] = {}
+    for entry in ctx.registries:
+        m = REGISTRY_RE.fullmatch(entry.rstrip("/"))
+        if m is not None:
+            out[m["host"]] = m["scheme"]
+    return out
+
+
+@verb("template.oci", OciArgs, cap=OCI_CAP, streaming=True)
+async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[str, Any]:
+    """Pull ``image`` and unpack its root filesystem into the empty work tree; lines stream (a
+    failure raises with their tail). Returns the image's digest, layer count and config."""
+    m = IMAGE_RE.fullmatch(args.image)
+    assert m is not None  # checked by the argument parser
+    allowed = registries_of(ctx)
+    scheme = allowed.get(m["registry"])
+    if scheme is None:
+        raise InvalidRequest(f"registry {m['registry']} is not one this node pulls images from "
+                             f"({', '.join(sorted(allowed)) or 'none: the operator lists them with --registry'})",
+                             registry=m["registry"])
+    with _exclusive(args.work):
+        fd = await asyncio.to_thread(_open_work, ctx, args.work, "empty")
+        build = _BUILDS[args.work]
+        try:
+            if os.listdir(fd):
+                raise Conflict(f"{args.work} is not empty: an image is unpacked only into a fresh tree",
+                               path=args.work)
+            build.stage = "bootstrapping"
+            stage = _staging(ctx)
+            try:
+                tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+                async def line(text: str) -> None:
+                    tail.append(text)
+                    await call.line(text)
+
+                await _pull(stage, args.image, scheme, line, tail)
+                manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
+                await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
+                await _unpack(fd, stage, line, tail)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, stage, True)
+            build.stage = "ready"
+        except BaseException:
+            build.stage = "failed"
+            raise
+        finally:
+            os.close(fd)
+    return {"digest": m["digest"], "layers": len(manifest["layers"]),
+            "bytes": sum(int(layer.get("size", 0)) for layer in manifest["layers"]),
+            "config": image_defaults(config)}
+
+
+def _staging(ctx: HelperContext) -> str:
+    parent = ctx.data_dir / "build-bundles"
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(parent, 0o700)
+    stage = parent / f"oci-{secrets.token_hex(8)}"
+    stage.mkdir(mode=0o700)
+    (stage / "policy.json").write_text(POLICY)
+    return str(stage)
+
+
+async def _pull(stage: str, image: str, scheme: str, line: privileged.LineCallback, tail: deque[str]) -> None:
+    argv = ["skopeo", "--policy", f"{stage}/policy.json", "copy", "--quiet", "--preserve-digests",
+            "--retry-times", "2", f"--src-tls-verify={'true' if scheme == 'https' else 'false'}",
+            f"docker://{image}", f"oci:{stage}/layout:{TAG}"]
+    rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV)
+    if rc != 0:
+        raise RuntimeFailure(f"pulling {image} failed (skopeo exit {rc}): {_last(tail)}", image=image,
+                             output="\n".join(tail))
+
+
+async def _unpack(fd: int, stage: str, line: privileged.LineCallback, tail: deque[str]) -> None:
+    at = f"{stage}/rootfs"
+    os.mkdir(at, 0o700)
+    argv = [*FIRST_STAGE, str(fd), at, "umoci", "--log", "error", "raw", "unpack", "--image",
+            f"{stage}/layout:{TAG}", at]
+    rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV, pass_fds=(fd,))
+    if rc != 0:
+        raise RuntimeFailure(f"unpacking the image failed (umoci exit {rc}): {_last(tail)}", output="\n".join(tail))
+
+
+def _last(tail: deque[str]) -> str:
+    return next((t for t in reversed(tail) if t.strip()), "no output")
+
+
+def _blob(stage: str, digest: str, limit: int) -> dict[str, Any]:
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or re.fullmatch(r"[0-9a-f]{64}", hexd) is None:
+        raise RuntimeFailure(f"the image names a blob as {digest[:80]!r}: not a sha256 digest")
+    return _json(f"{stage}/layout/blobs/sha256/{hexd}", limit, f"blob {digest[:19]}")
+
+
+def _json(path: str, limit: int, what: str) -> dict[str, Any]:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise RuntimeFailure(f"the image's {what} exceeds {limit} bytes")
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise RuntimeFailure(f"the image's {what} is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise RuntimeFailure(f"the image's {what} is not a JSON object")
+    return doc
+
+
+def _read_image(stage: str, digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pulled image's manifest and config, the manifest proven to be the digest asked for."""
+    index = _json(f"{stage}/layout/index.json", MAX_INDEX, "index")
+    found = [d for d in index.get("manifests") or [] if isinstance(d, dict)
+             and (d.get("annotations") or {}).get("org.opencontainers.image.ref.name") == TAG]
+    if len(found) != 1 or found[0].get("digest") != digest:
+        raise RuntimeFailure(f"the pulled image is not {digest}", digest=digest)
+    manifest = _blob(stage, digest, MAX_MANIFEST)
+    layers = manifest.get("layers")
+    cfg = manifest.get("config")
+    if not isinstance(layers, list) or not isinstance(cfg, dict) or not isinstance(cfg.get("digest"), str):
+        raise RuntimeFailure(f"{digest} is not an image manifest (an index of platforms is resolved first)")
+    return manifest, _blob(stage, cfg["digest"], MAX_CONFIG)
+
+
+def image_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """What a template takes from an image's config: its env (``NAME=value`` entries), user,
+    working directory and start command (entrypoint then cmd), each checked for shape."""
+    c = config.get("config") if isinstance(config.get("config"), dict) else {}
+    assert isinstance(c, dict)
+
+    def strings(value: Any, limit: int) -> list[str]:
+        if not isinstance(value, list):
+            return []
+        return [v for v in value if isinstance(v, str) and len(v) <= 65536][:limit]
+
+    env = [e for e in strings(c.get("Env"), 1024) if "=" in e and e.index("=") > 0]
+    user = c.get("User") if isinstance(c.get("User"), str) and len(c["User"]) <= 256 else ""
+    workdir = c.get("WorkingDir") if isinstance(c.get("WorkingDir"), str) and len(c["WorkingDir"]) <= 4096 else ""
+    return {"env": env, "user": user, "workdir": workdir, "entrypoint": strings(c.get("Entrypoint"), 256),
+            "cmd": strings(c.get("Cmd"), 256)}

@@ -1,0 +1,272 @@
+"""``template.oci``: a container image pulled by digest from a registry on loopback (Debian's
+``docker-registry``) and unpacked into a fresh build tree on a real btrfs pool, through the helper's
+in-process backend.
+
+The images are OCI layouts this module writes layer by layer (tar entries exactly as a test wants
+them, hostile ones included) and pushes with ``skopeo``.
+
+Aspects:
+- layers apply in order: files, directories, symlinks, hard links, modes (setuid kept), owners and
+  extended attributes as the image says; a whiteout removes a lower file, an opaque directory
+  hides a lower directory's entries; the image's config comes back (env, user, workdir,
+  entrypoint, cmd) with its digest and layer count
+- refused before anything is pulled or written: a registry the operator did not list, a name that
+  is not pinned by digest, a tree that is not an empty build this helper began
+- a digest the registry does not have is a clear failure, and the tree is marked failed
+- a hostile layer (``..`` paths, absolute paths, a file written through a symlink that points out
+  of the tree) writes nothing outside the tree
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from space.errors import Conflict, InvalidRequest, NotFound, RuntimeFailure
+from space.node.helper.backend import InProcess
+from space.node.helper.verbs import HelperContext
+from space.node.storage.pool import Pool
+from space.node.templates.store import DEFAULT_CACHE_DIR
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.runtime, pytest.mark.anyio,
+              pytest.mark.skipif(not all(shutil.which(t) for t in ("docker-registry", "skopeo", "umoci")),
+                                 reason="needs Debian's docker-registry, skopeo and umoci (make setup installs them)")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A registry on loopback: ``127.0.0.1:<port>``."""
+    d = tmp_path_factory.mktemp("registry")
+    port = _free_port()
+    (d / "config.yml").write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+                                  f"    rootdirectory: {d / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    log = (d / "registry.log").open("wb")
+    proc = subprocess.Popen(["docker-registry", "serve", str(d / "config.yml")], stdout=log, stderr=log)
+    try:
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(up, timeout=30, what="the registry to listen")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+# -- images, layer by layer ------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    name: str
+    kind: str = "file"  # file | dir | symlink | hardlink
+    data: bytes = b""
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    link: str = ""
+    xattrs: dict[str, str] | None = None
+
+
+def _layer(entries: list[Entry]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for e in entries:
+            info = tarfile.TarInfo(e.name)
+            info.mode, info.uid, info.gid, info.mtime = e.mode, e.uid, e.gid, 1_700_000_000
+            info.type = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+                         "hardlink": tarfile.LNKTYPE}[e.kind]
+            info.linkname = e.link
+            if e.xattrs:
+                info.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in e.xattrs.items()}
+            if e.kind == "file":
+                info.size = len(e.data)
+                tar.addfile(info, io.BytesIO(e.data))
+            else:
+                tar.addfile(info)
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return {"digest": f"sha256:{digest}", "size": len(data)}
+
+
+def write_layout(layout: Path, layers: list[list[Entry]], config: dict[str, Any]) -> None:
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    blobs, diff_ids = [], []
+    for entries in layers:
+        tgz = _layer(entries)
+        diff_ids.append("sha256:" + hashlib.sha256(gzip.decompress(tgz)).hexdigest())
+        blobs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **_put_blob(layout, tgz)})
+    cfg = {"architecture": "amd64", "os": "linux", "config": config,
+           "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           **_put_blob(layout, json.dumps(cfg).encode())},
+                "layers": blobs}
+    m = _put_blob(layout, json.dumps(manifest).encode())
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", **m,
+         "annotations": {"org.opencontainers.image.ref.name": "v1"}}]}))
+
+
+def push(tmp_path: Path, registry: str, repo: str, layers: list[list[Entry]],
+         config: dict[str, Any] | None = None) -> str:
+    """The image pushed as ``registry/repo:v1``; its name pinned by digest."""
+    layout = tmp_path / f"layout-{uuid.uuid4().hex[:8]}"
+    write_layout(layout, layers, config or {})
+    subprocess.run(["skopeo", "--insecure-policy", "copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false",
+                    f"oci:{layout}:v1", f"docker://{registry}/{repo}:v1"], check=True, capture_output=True)
+    index = json.loads((layout / "index.json").read_text())
+    return f"{registry}/{repo}@{index['manifests'][0]['digest']}"
+
+
+# -- the helper and its build trees ------------------------------------------------------------------
+
+
+@pytest.fixture
+def priv(btrfs_pool: Pool, registry: str) -> InProcess:
+    return InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                   pool_root=btrfs_pool.root, registries=(f"http://{registry}",)))
+
+
+@pytest.fixture
+async def work(btrfs_pool: Pool, priv: InProcess) -> AsyncIterator[tuple[str, Path]]:
+    """An empty build begun by the helper: (REL, path)."""
+    name = f"build-oci{uuid.uuid4().hex[:8]}@{uuid.uuid4().hex[:16]}"
+    await priv.call("template.begin", {"work": f"tmp/{name}"})
+    path = btrfs_pool.tmp_dir / name
+    yield f"tmp/{name}", path
+    await btrfs_pool.delete_subvolume(path)
+
+
+class Lines(list[str]):
+    async def __call__(self, line: str) -> None:
+        self.append(line)
+
+
+async def test_layers_apply_in_order_with_owners_modes_xattrs_and_whiteouts(
+        priv: InProcess, work: tuple[str, Path], registry: str, tmp_path: Path) -> None:
+    rel, root = work
+    lower = [Entry("etc", "dir", mode=0o755), Entry("etc/greeting", data=b"hello\n"),
+             Entry("etc/gone", data=b"lower file\n"), Entry("opt", "dir", mode=0o755),
+             Entry("opt/old", "dir", mode=0o755), Entry("opt/old/a", data=b"a"), Entry("opt/old/b", data=b"b"),
+             Entry("home", "dir", mode=0o755), Entry("home/user", "dir", mode=0o750, uid=1000, gid=1000),
+             Entry("home/user/notes", data=b"mine\n", mode=0o600, uid=1000, gid=1000,
+                   xattrs={"user.origin": "layer-1"}),
+             Entry("usr", "dir", mode=0o755), Entry("usr/bin", "dir", mode=0o755),
+             Entry("usr/bin/tool", data=b"#!/bin/sh\n", mode=0o4755),
+             Entry("etc/link", "symlink", link="/etc/greeting"),
+             Entry("etc/hard", "hardlink", link="etc/greeting")]
+    upper = [Entry("etc/.wh.gone"), Entry("opt/old", "dir", mode=0o755), Entry("opt/old/.wh..wh..opq"),
+             Entry("opt/old/c", data=b"c"), Entry("etc/added", data=b"upper\n", mode=0o640, gid=1000)]
+    config = {"Env": ["PATH=/usr/bin:/bin", "FOO=bar baz", "=bad", "NOEQUALS"], "User": "1000:1000",
+              "WorkingDir": "/home/user", "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo hi"]}
+    image = push(tmp_path, registry, "test/layers", [lower, upper], config)
+    lines = Lines()
+
+    res = await priv.call("template.oci", {"work": rel, "image": image}, on_line=lines)
+
+    assert res["digest"] == image.rpartition("@")[2] and res["layers"] == 2
+    assert res["config"] == {"env": ["PATH=/usr/bin:/bin", "FOO=bar baz"], "user": "1000:1000",
+                             "workdir": "/home/user", "entrypoint": ["/bin/sh", "-c"], "cmd": ["echo hi"]}
+    assert (root / "etc/greeting").read_bytes() == b"hello\n"
+    assert not (root / "etc/gone").exists()  # the whiteout
+    assert sorted(os.listdir(root / "opt/old")) == ["c"]  # the opaque directory
+    home = (root / "home/user").lstat()
+    assert (home.st_uid, home.st_gid, home.st_mode & 0o7777) == (1000, 1000, 0o750)
+    notes = (root / "home/user/notes").lstat()
+    assert (notes.st_uid, notes.st_mode & 0o7777) == (1000, 0o600)
+    assert os.getxattr(root / "home/user/notes", "user.origin", follow_symlinks=False) == b"layer-1"
+    assert (root / "usr/bin/tool").lstat().st_mode & 0o7777 == 0o4755
+    assert os.readlink(root / "etc/link") == "/etc/greeting"
+    assert (root / "etc/hard").lstat().st_ino == (root / "etc/greeting").lstat().st_ino
+    added = (root / "etc/added").lstat()
+    assert (added.st_gid, added.st_mode & 0o777) == (1000, 0o640)
+    assert any("unpacking 2 layer(s)" in ln for ln in lines)
+    # The tree is a root now: a second image into it is refused.
+    with pytest.raises(Conflict):
+        await priv.call("template.oci", {"work": rel, "image": image})
+
+
+async def test_refused_before_anything_is_pulled(
+        priv: InProcess, work: tuple[str, Path], registry: str, tmp_path: Path) -> None:
+    rel, root = work
+    image = push(tmp_path, registry, "test/refused", [[Entry("f", data=b"x")]])
+    digest = image.rpartition("@")[2]
+    with pytest.raises(InvalidRequest, match="not one this node pulls images from"):
+        await priv.call("template.oci", {"work": rel, "image": f"127.0.0.2:1/test/refused@{digest}"})
+    for bad in (f"{registry}/test/refused:v1", f"{registry}/Test/refused@{digest}", f"{registry}/test/refused",
+                f"{registry}/../x@{digest}", f"{registry}/test/refused@sha256:{'0' * 63}", "x" * 5000):
+        with pytest.raises(InvalidRequest):
+            await priv.call("template.oci", {"work": rel, "image": bad})
+    with pytest.raises(NotFound):
+        await priv.call("template.oci", {"work": "tmp/build-never-begun@0123456789abcdef", "image": image})
+    assert os.listdir(root) == []
+    # Still an empty build: the image goes in now.
+    await priv.call("template.oci", {"work": rel, "image": image})
+    assert (root / "f").read_bytes() == b"x"
+
+
+async def test_a_digest_the_registry_lacks_fails_clearly(
+        priv: InProcess, work: tuple[str, Path], registry: str, tmp_path: Path) -> None:
+    rel, _ = work
+    push(tmp_path, registry, "test/missing", [[Entry("f", data=b"x")]])
+    with pytest.raises(RuntimeFailure, match=r"pulling .* failed"):
+        await priv.call("template.oci", {"work": rel, "image": f"{registry}/test/missing@sha256:{'ab' * 32}"})
+    with pytest.raises(Conflict, match="failed"):  # the tree is marked: delete it and begin again
+        await priv.call("template.oci", {"work": rel, "image": f"{registry}/test/missing@sha256:{'ab' * 32}"})
+
+
+HOSTILE = {
+    "dotdot": lambda out: [Entry("../../../../../../" + str(out).lstrip("/") + "/dotdot", data=b"escaped")],
+    "absolute": lambda out: [Entry(str(out) + "/absolute", data=b"escaped")],
+    "through a symlink": lambda out: [Entry("out", "symlink", link=str(out)),
+                                      Entry("out/through-link", data=b"escaped")],
+    "through a relative symlink": lambda out: [Entry("up", "symlink", link="../../../../../../" + str(out).lstrip("/")),
+                                               Entry("up/through-link", data=b"escaped")],
+    "a hard link out": lambda out: [Entry("hl", "hardlink", link="../../../../../../etc/passwd")],
+    "a symlinked directory then a file": lambda out: [Entry("d", "symlink", link=str(out)),
+                                                      Entry("d/f", data=b"escaped")],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+async def test_a_hostile_layer_writes_nothing_outside_the_tree(
+        priv: InProcess, work: tuple[str, Path], registry: str, tmp_path: Path, kind: str) -> None:
+    rel, root = work
+    outside = tmp_path / f"outside-{uuid.uuid4().hex[:8]}"
+    outside.mkdir()
+    image = push(tmp_path, registry, "test/hostile", [[Entry("ok", data=b"ok")], HOSTILE[kind](outside)])
+    with contextlib.suppress(RuntimeFailure):  # refusing the layer is as good as confining it
+        await priv.call("template.oci", {"work": rel, "image": image})
+    assert os.listdir(outside) == []
+    with contextlib.suppress(FileNotFoundError):  # a link to the host's file would be an escape
+        assert os.lstat(root / "hl").st_ino != os.lstat("/etc/passwd").st_ino
