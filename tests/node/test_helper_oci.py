@@ -1,4 +1,5 @@
-"""``template.oci``: a container image pulled by digest from a registry on loopback (Debian's
+"""``image.inspect`` and ``template.oci``: a container image pinned, then pulled by digest from a
+registry on loopback (Debian's
 ``docker-registry``) and unpacked into a fresh build tree on a real btrfs pool, through the helper's
 in-process backend.
 
@@ -15,6 +16,9 @@ Aspects:
 - a digest the registry does not have is a clear failure, and the tree is marked failed
 - a hostile layer (``..`` paths, absolute paths, a file written through a symlink that points out
   of the tree) writes nothing outside the tree
+- inspect pins a tag (or an index's digest) to the linux/amd64 manifest's digest, which is what
+  ``template.oci`` then unpacks; a registry not listed, a malformed reference and a missing tag
+  are clear errors
 """
 
 from __future__ import annotations
@@ -270,3 +274,55 @@ async def test_a_hostile_layer_writes_nothing_outside_the_tree(
     assert os.listdir(outside) == []
     with contextlib.suppress(FileNotFoundError):  # a link to the host's file would be an escape
         assert os.lstat(root / "hl").st_ino != os.lstat("/etc/passwd").st_ino
+
+
+def push_index(tmp_path: Path, registry: str, repo: str) -> tuple[str, str]:
+    """An index of two platforms (arm64 first) pushed as ``repo:multi``: (its digest, the amd64
+    manifest's digest)."""
+    layout = tmp_path / f"index-{uuid.uuid4().hex[:8]}"
+    write_layout(layout, [[Entry("platform", data=b"amd64")]], {"Env": ["ARCH=amd64"]})
+    amd64 = json.loads((layout / "index.json").read_text())["manifests"][0]
+    other = tmp_path / f"other-{uuid.uuid4().hex[:8]}"
+    write_layout(other, [[Entry("platform", data=b"arm64")]], {"Env": ["ARCH=arm64"]})
+    arm64 = json.loads((other / "index.json").read_text())["manifests"][0]
+    for blob in (other / "blobs" / "sha256").iterdir():
+        shutil.copy(blob, layout / "blobs" / "sha256" / blob.name)
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
+        {"mediaType": arm64["mediaType"], "digest": arm64["digest"], "size": arm64["size"],
+         "platform": {"os": "linux", "architecture": "arm64"}},
+        {"mediaType": amd64["mediaType"], "digest": amd64["digest"], "size": amd64["size"],
+         "platform": {"os": "linux", "architecture": "amd64"}}]}
+    d = _put_blob(layout, json.dumps(index).encode())
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": index["mediaType"], **d, "annotations": {"org.opencontainers.image.ref.name": "multi"}}]}))
+    subprocess.run(["skopeo", "--insecure-policy", "copy", "--all", "--quiet", "--preserve-digests",
+                    "--dest-tls-verify=false", f"oci:{layout}:multi", f"docker://{registry}/{repo}:multi"],
+                   check=True, capture_output=True)
+    return str(d["digest"]), str(amd64["digest"])
+
+
+async def test_inspect_pins_a_tag_to_this_platforms_manifest(
+        priv: InProcess, work: tuple[str, Path], registry: str, tmp_path: Path) -> None:
+    rel, root = work
+    image = push(tmp_path, registry, "test/inspect", [[Entry("f", data=b"x")]],
+                 {"User": "user", "Env": ["A=1"], "Cmd": ["serve"]})
+    res = await priv.call("image.inspect", {"image": f"{registry}/test/inspect:v1"})
+    assert res["image"] == image
+    assert res["config"] == {"env": ["A=1"], "user": "user", "workdir": "", "entrypoint": [], "cmd": ["serve"]}
+    assert (await priv.call("image.inspect", {"image": image}))["image"] == image  # a digest stays itself
+
+    index_digest, amd64 = push_index(tmp_path, registry, "test/multi")
+    for ref in (f"{registry}/test/multi:multi", f"{registry}/test/multi@{index_digest}"):
+        res = await priv.call("image.inspect", {"image": ref})
+        assert res["image"] == f"{registry}/test/multi@{amd64}" and res["config"]["env"] == ["ARCH=amd64"]
+    # What inspect pinned is what template.oci unpacks.
+    await priv.call("template.oci", {"work": rel, "image": res["image"]})
+    assert (root / "platform").read_bytes() == b"amd64"
+
+    with pytest.raises(InvalidRequest, match="not one this node pulls images from"):
+        await priv.call("image.inspect", {"image": "127.0.0.2:1/test/inspect:v1"})
+    for bad in (f"{registry}/test/inspect", f"{registry}/test/inspect:-bad", f"{registry}/Test/x:v1"):
+        with pytest.raises(InvalidRequest):
+            await priv.call("image.inspect", {"image": bad})
+    with pytest.raises(RuntimeFailure, match="skopeo inspect failed"):
+        await priv.call("image.inspect", {"image": f"{registry}/test/inspect:no-such-tag"})

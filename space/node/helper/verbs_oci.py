@@ -1,4 +1,9 @@
-"""``template.oci``: a container image's root filesystem into the empty tree ``template.begin`` made.
+"""Container images as template bases: ``image.inspect`` pins a reference, ``template.oci`` unpacks it.
+
+``image.inspect`` answers what a tag (or a digest) names now: the digest of this platform's image
+manifest (an index of platforms is resolved to its linux/amd64 entry) and the defaults its config
+gives a template. ``template.oci`` puts that image's root filesystem into the empty tree
+``template.begin`` made.
 
 The image is named by digest only (``registry/repository@sha256:<64 hex>``): the control plane
 resolves a tag once, and the same digest is the same template. It is pulled from a registry on the
@@ -20,6 +25,7 @@ staging directory with every size bounded, and returned for the template's defau
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -59,14 +65,35 @@ ENV: Final = {"LC_ALL": "C.UTF-8"}
 TAIL_LINES: Final = 40
 
 
+#: What ``image.inspect`` takes: a tag, a digest, or both (the digest wins).
+REFERENCE_RE: Final = re.compile(
+    IMAGE_RE.pattern.split("@", 1)[0]
+    + r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
+#: Media types of an index of platforms (OCI's and Docker's).
+INDEX_TYPES: Final = ("application/vnd.oci.image.index.v1+json",
+                      "application/vnd.docker.distribution.manifest.list.v2+json")
+#: The platform this node runs sandboxes on (gVisor here runs amd64).
+PLATFORM: Final = {"os": "linux", "architecture": "amd64"}
+
+
 def is_image(value: str) -> bool:
     return IMAGE_RE.fullmatch(value) is not None
+
+
+def is_reference(value: str) -> bool:
+    m = REFERENCE_RE.fullmatch(value)
+    return m is not None and bool(m["tag"] or m["digest"])
 
 
 @dataclass(frozen=True)
 class OciArgs:
     work: str = field(metadata=check(is_work, "tmp/build-<name>@<digest16>"))
     image: str = field(metadata=check(is_image, "registry/repository@sha256:<64 hex>"))
+
+
+@dataclass(frozen=True)
+class InspectArgs:
+    image: str = field(metadata=check(is_reference, "registry/repository:tag or registry/repository@sha256:<64 hex>"))
 
 
 def registries_of(ctx: HelperContext) -> dict[str, str]:
@@ -79,18 +106,77 @@ def registries_of(ctx: HelperContext) -> dict[str, str]:
     return out
 
 
+def _scheme(ctx: HelperContext, registry: str) -> str:
+    allowed = registries_of(ctx)
+    scheme = allowed.get(registry)
+    if scheme is None:
+        raise InvalidRequest(f"registry {registry} is not one this node pulls images from "
+                             f"({', '.join(sorted(allowed)) or 'none: the operator lists them with --registry'})",
+                             registry=registry)
+    return scheme
+
+
+@verb("image.inspect", InspectArgs, cap=120)
+async def image_inspect(ctx: HelperContext, args: InspectArgs, call: Call) -> dict[str, Any]:
+    """What ``image`` (a tag or a digest) is now: pinned by the digest of this platform's manifest
+    (an index of platforms is resolved to its linux/amd64 entry), and its config's defaults."""
+    m = REFERENCE_RE.fullmatch(args.image)
+    assert m is not None
+    tls = f"--tls-verify={'true' if _scheme(ctx, m['registry']) == 'https' else 'false'}"
+    repo = f"{m['registry']}/{m['repository']}"
+    ref = f"{repo}@{m['digest']}" if m["digest"] else f"{repo}:{m['tag']}"
+    for _ in range(2):  # the reference, then (an index) its platform's entry
+        raw = await _skopeo_out("inspect", "--raw", tls, f"docker://{ref}", limit=MAX_MANIFEST)
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        if m["digest"] and ref.endswith(m["digest"]) and digest != m["digest"]:
+            raise RuntimeFailure(f"{args.image}: the registry answered a manifest whose digest is {digest}")
+        doc = _loads(raw, "manifest")
+        if doc.get("mediaType") not in INDEX_TYPES and "manifests" not in doc:
+            break
+        entries = [e for e in doc.get("manifests") or [] if isinstance(e, dict)
+                   and isinstance(e.get("platform"), dict)
+                   and all(e["platform"].get(k) == v for k, v in PLATFORM.items())
+                   and isinstance(e.get("digest"), str) and re.fullmatch(r"sha256:[0-9a-f]{64}", e["digest"])]
+        if not entries:
+            raise RuntimeFailure(f"{args.image} has no linux/amd64 image", image=args.image)
+        ref = f"{repo}@{entries[0]['digest']}"
+        m = REFERENCE_RE.fullmatch(ref)
+        assert m is not None
+    else:
+        raise RuntimeFailure(f"{args.image}: an index of platforms inside an index")
+    config = _loads(await _skopeo_out("inspect", "--config", tls, f"docker://{repo}@{digest}", limit=MAX_CONFIG),
+                    "config")
+    return {"image": f"{repo}@{digest}", "config": image_defaults(config)}
+
+
+async def _skopeo_out(*args: str, limit: int) -> bytes:
+    res = await privileged.run("skopeo", "--insecure-policy", *args, timeout=120, check=False, env=ENV)
+    if res.returncode != 0:
+        err = res.stderr.decode(errors="replace").strip().splitlines()
+        raise RuntimeFailure(f"skopeo {args[0]} failed: {err[-1] if err else 'no output'}",
+                             image=args[-1].removeprefix("docker://"))
+    if len(res.stdout) > limit:
+        raise RuntimeFailure(f"the registry's answer exceeds {limit} bytes")
+    return bytes(res.stdout)
+
+
+def _loads(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise RuntimeFailure(f"the image's {what} is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise RuntimeFailure(f"the image's {what} is not a JSON object")
+    return doc
+
+
 @verb("template.oci", OciArgs, cap=OCI_CAP, streaming=True)
 async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[str, Any]:
     """Pull ``image`` and unpack its root filesystem into the empty work tree; lines stream (a
     failure raises with their tail). Returns the image's digest, layer count and config."""
     m = IMAGE_RE.fullmatch(args.image)
     assert m is not None  # checked by the argument parser
-    allowed = registries_of(ctx)
-    scheme = allowed.get(m["registry"])
-    if scheme is None:
-        raise InvalidRequest(f"registry {m['registry']} is not one this node pulls images from "
-                             f"({', '.join(sorted(allowed)) or 'none: the operator lists them with --registry'})",
-                             registry=m["registry"])
+    scheme = _scheme(ctx, m["registry"])
     with _exclusive(args.work):
         fd = await asyncio.to_thread(_open_work, ctx, args.work, "empty")
         build = _BUILDS[args.work]
@@ -171,13 +257,7 @@ def _json(path: str, limit: int, what: str) -> dict[str, Any]:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise RuntimeFailure(f"the image's {what} exceeds {limit} bytes")
-    try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise RuntimeFailure(f"the image's {what} is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise RuntimeFailure(f"the image's {what} is not a JSON object")
-    return doc
+    return _loads(data, what)
 
 
 def _read_image(stage: str, digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
