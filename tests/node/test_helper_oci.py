@@ -1,7 +1,6 @@
 """``image.inspect`` and ``template.oci``: a container image pinned, then pulled by digest from a
-registry on loopback (Debian's
-``docker-registry``) and unpacked into a fresh build tree on a real btrfs pool, through the helper's
-in-process backend.
+registry on loopback (Debian's ``docker-registry``) and unpacked into a fresh build tree on a real
+btrfs pool, through the helper's in-process backend.
 
 The images are OCI layouts this module writes layer by layer (tar entries exactly as a test wants
 them, hostile ones included) and pushes with ``skopeo``.
