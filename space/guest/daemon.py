@@ -274,14 +274,16 @@ class Daemon(ProcessTable):
 # ---------------------------------------------------------------------------------------- ops
 
 
+#: Standard library modules the daemon imports only when a command needs them, warmed at boot. A
+#: template built from a container image is checked to have them all (the image_check script in
+#: space/node/helper/build_scripts.py), as well as every module here.
+LATE_IMPORTS = ("fcntl", "pwd", "select", "signal", "subprocess", "termios")
+
+
 def _warm_imports() -> None:
     try:
-        import fcntl  # noqa: F401
-        import pwd  # noqa: F401
-        import select  # noqa: F401
-        import signal  # noqa: F401
-        import subprocess  # noqa: F401
-        import termios  # noqa: F401
+        for name in LATE_IMPORTS:
+            __import__(name)
     except ImportError:
         pass
     guest_caps.load()  # ctypes, for the first command's thread to shed CAP_SYS_RESOURCE

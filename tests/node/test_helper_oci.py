@@ -120,11 +120,32 @@ def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
-def write_layout(layout: Path, layers: list[list[Entry]], config: dict[str, Any]) -> None:
+def _tar_blob(layout: Path, tar: Path) -> dict[str, Any]:
+    """An uncompressed tar file as a layer (linked into the layout): its diff id is its digest."""
+    h = hashlib.sha256()
+    with tar.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    size = tar.stat().st_size
+    dest = layout / "blobs" / "sha256" / h.hexdigest()
+    try:
+        os.link(tar, dest)
+    except OSError:
+        shutil.copy(tar, dest)
+    return {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": f"sha256:{h.hexdigest()}", "size": size}
+
+
+def write_layout(layout: Path, layers: list[list[Entry] | Path], config: dict[str, Any]) -> None:
+    """An OCI layout tagged v1; a layer is its entries, or a tar file already made."""
     (layout / "blobs" / "sha256").mkdir(parents=True)
     (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
     blobs, diff_ids = [], []
     for entries in layers:
+        if isinstance(entries, Path):
+            blob = _tar_blob(layout, entries)
+            diff_ids.append(blob["digest"])
+            blobs.append(blob)
+            continue
         tgz = _layer(entries)
         diff_ids.append("sha256:" + hashlib.sha256(gzip.decompress(tgz)).hexdigest())
         blobs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **_put_blob(layout, tgz)})
@@ -140,7 +161,7 @@ def write_layout(layout: Path, layers: list[list[Entry]], config: dict[str, Any]
          "annotations": {"org.opencontainers.image.ref.name": "v1"}}]}))
 
 
-def push(tmp_path: Path, registry: str, repo: str, layers: list[list[Entry]],
+def push(tmp_path: Path, registry: str, repo: str, layers: list[list[Entry] | Path],
          config: dict[str, Any] | None = None) -> str:
     """The image pushed as ``registry/repo:v1``; its name pinned by digest."""
     layout = tmp_path / f"layout-{uuid.uuid4().hex[:8]}"

@@ -82,8 +82,12 @@ def new_container_id() -> str:
     return f"build{secrets.token_hex(6)}-{secrets.token_hex(3)[:5]}"
 
 
+#: Where the guest daemon is bound in a sandbox, and in a build command that checks an image can run it.
+GUEST_IN_BUILD = "/opt/space/guest"
+
+
 def build_spec(cid: str, bundle: Path, argv: Sequence[str], env: Mapping[str, str], *, netns: Path | None,
-               resolv: Path | None, host_ca: Path | None = None) -> dict[str, Any]:
+               resolv: Path | None, host_ca: Path | None = None, guest: Path | None = None) -> dict[str, Any]:
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
@@ -97,6 +101,9 @@ def build_spec(cid: str, bundle: Path, argv: Sequence[str], env: Mapping[str, st
         # The resolver for this command only: the tree keeps its own file.
         mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": str(resolv),
                        "options": ["rbind", "ro"]})
+    if guest is not None:
+        # Read-only, as in every sandbox: the command checks the tree's python can run the daemon.
+        mounts.append({"destination": GUEST_IN_BUILD, "type": "bind", "source": str(guest), "options": ["rbind", "ro"]})
     if host_ca is not None:
         mounts.append({"destination": HOST_CA_IN_BUILD, "type": "bind", "source": str(host_ca),
                        "options": ["rbind", "ro"]})
@@ -128,7 +135,7 @@ def build_spec(cid: str, bundle: Path, argv: Sequence[str], env: Mapping[str, st
 
 
 async def run(ctx: HelperContext, work_fd: int, argv: Sequence[str], env: Mapping[str, str], *,
-              on_line: LineSink, timeout: float, net: int | None = None) -> int:
+              on_line: LineSink, timeout: float, net: int | None = None, guest: bool = False) -> int:
     """Run ``argv`` in a build sandbox over the tree ``work_fd`` is open on; stream its merged
     output to ``on_line`` and return its exit code. A timeout, a cancellation or a failure of the
     helper's own leaves no process, container, cgroup or bundle behind."""
@@ -143,7 +150,8 @@ async def run(ctx: HelperContext, work_fd: int, argv: Sequence[str], env: Mappin
             netns = verbs_net.NETNS_DIR / s["netns"]
             gateway_ip = n.gateway_ip(n.slot())
             await verbs_net._prepare(s)  # runsc strips the address from the link it takes (and: it exists)
-        host_ca = await asyncio.to_thread(_write_bundle, r, bundle, cid, argv, env, netns, gateway_ip)
+        host_ca = await asyncio.to_thread(_write_bundle, r, bundle, cid, argv, env, netns, gateway_ip,
+                                          ctx.guest if guest else None)
         launcher = [*LAUNCHER, str(work_fd), str(bundle), *r.cmd("run", "--bundle", str(bundle), cid)]
         started = asyncio.get_running_loop().time()
         try:
@@ -183,7 +191,7 @@ def _remove_mount_point(tree: int, path: str) -> None:
 
 
 def _write_bundle(r: BuildRunsc, bundle: Path, cid: str, argv: Sequence[str], env: Mapping[str, str],
-                  netns: Path | None, gateway_ip: str | None) -> Path | None:
+                  netns: Path | None, gateway_ip: str | None, guest: Path | None = None) -> Path | None:
     """The bundle (root's alone): the work tree's mount point, the resolver of a networked command,
     the spec; the host trust store the command gets (None: none)."""
     for d in (r.root, r.bundles):
@@ -196,7 +204,7 @@ def _write_bundle(r: BuildRunsc, bundle: Path, cid: str, argv: Sequence[str], en
         resolv = bundle / "resolv.conf"
         resolv.write_text(f"nameserver {gateway_ip}\noptions timeout:2 attempts:3\n")
         host_ca = HOST_CA if HOST_CA.is_file() else None
-    spec = build_spec(cid, bundle, argv, env, netns=netns, resolv=resolv, host_ca=host_ca)
+    spec = build_spec(cid, bundle, argv, env, netns=netns, resolv=resolv, host_ca=host_ca, guest=guest)
     (bundle / "config.json").write_text(json.dumps(spec))
     return host_ca
 

@@ -68,6 +68,47 @@ rm -f /etc/hostname /etc/machine-id /var/lib/dbus/machine-id
 printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > /etc/hosts
 """
 
+# A root unpacked from a container image: what base_configure does for SPACE's own roots, short of
+# adding a user (the image's own are its users).
+IMAGE_CONFIGURE: Final = r"""
+set -eu
+mkdir -p /opt/space/guest /etc
+rm -f /etc/hostname /etc/machine-id /var/lib/dbus/machine-id
+: > /etc/resolv.conf
+printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > /etc/hosts
+"""
+
+# Whether the image can run the guest daemon (bound at /opt/space/guest for this command), and has
+# the template's user: the daemon's own imports decide, so a missing module is named as Python names it.
+IMAGE_CHECK: Final = r"""
+user="$1"
+if [ ! -x /usr/bin/python3 ]; then
+    echo "the image has no /usr/bin/python3, which SPACE's guest daemon runs on"
+    exit 3
+fi
+exec /usr/bin/python3 -I -S -c '
+import os, sys
+sys.path.insert(0, "/opt/space/guest")
+try:
+    for name in sorted(os.listdir("/opt/space/guest")):
+        if name.endswith(".py") and name != "boot.py":
+            __import__(name[:-3])
+    for name in sys.modules["daemon"].LATE_IMPORTS:  # what commands import when they run
+        __import__(name)
+except Exception as exc:
+    print(f"the image'"'"'s /usr/bin/python3 ({sys.version.split()[0]}) cannot run SPACE'"'"'s guest daemon: "
+          f"{type(exc).__name__}: {exc}")
+    sys.exit(4)
+if sys.argv[1]:
+    import pwd
+    try:
+        pwd.getpwnam(sys.argv[1])
+    except KeyError:
+        print(f"the image has no user {sys.argv[1]!r} (its /etc/passwd): set the template'"'"'s user to one it has")
+        sys.exit(5)
+' "$user"
+"""
+
 BASE_CLEAN: Final = r"""
 set -eu
 apt-get clean
@@ -156,6 +197,8 @@ class Script:
     #: Base scripts run with BASE_ENV, build scripts with BUILD_ENV.
     base: bool
     extra: tuple[str, ...] = ()
+    #: Runs with the guest daemon bound read-only at /opt/space/guest.
+    guest: bool = False
 
     def env(self) -> dict[str, str]:
         return dict(BASE_ENV if self.base else BUILD_ENV)
@@ -169,6 +212,9 @@ SCRIPTS: Final[dict[str, Script]] = {
                                             lambda v: not v or is_abs_path(v)),
                         "user or '', workdir or ''", "configure", base=False),
     "clean": Script(CLEAN, _args_of(0), "no arguments", "clean", base=False),
+    "image_configure": Script(IMAGE_CONFIGURE, _args_of(0), "no arguments", "configure", base=True),
+    "image_check": Script(IMAGE_CHECK, _args_of(1, lambda v: not v or _USER.fullmatch(v) is not None),
+                          "user or ''", "check", base=True, guest=True),
 }
 STEP_KINDS: Final = ("apt", "pip", "run")
 

@@ -40,17 +40,12 @@ import structlog
 from space.errors import Conflict, InvalidRequest, RuntimeFailure
 from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, verb
-from space.node.helper.verbs_template import _BUILDS, FIRST_STAGE, _exclusive, _open_work, is_work
+from space.node.helper.verbs_template import _BUILDS, BUILD_XATTR, FIRST_STAGE, _exclusive, _open_work, is_work
+from space.node.templates.spec import IMAGE_RE, REFERENCE_RE
 
 log = structlog.get_logger(__name__)
 
 OCI_CAP: Final = 3600.0
-#: ``host[:port]/path@sha256:<hex>``: lowercase repository path components as the distribution
-#: spec allows them; no tag (a tag is resolved to a digest before a build is asked for).
-IMAGE_RE: Final = re.compile(
-    r"(?P<registry>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)"
-    r"/(?P<repository>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*){0,15})"
-    r"@(?P<digest>sha256:[0-9a-f]{64})")
 #: A registry the operator allows: ``https://host[:port]``, or ``http://`` for one without TLS.
 REGISTRY_RE: Final = re.compile(r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)")
 #: Bounds on what is read of the pulled image: its index, its manifest, its config.
@@ -65,10 +60,6 @@ ENV: Final = {"LC_ALL": "C.UTF-8"}
 TAIL_LINES: Final = 40
 
 
-#: What ``image.inspect`` takes: a tag, a digest, or both (the digest wins).
-REFERENCE_RE: Final = re.compile(
-    IMAGE_RE.pattern.split("@", 1)[0]
-    + r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
 #: Media types of an index of platforms (OCI's and Docker's).
 INDEX_TYPES: Final = ("application/vnd.oci.image.index.v1+json",
                       "application/vnd.docker.distribution.manifest.list.v2+json")
@@ -197,6 +188,9 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
                 manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
                 await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
                 await _unpack(fd, stage, line, tail)
+                # The image's own root entry may have replaced the tree root's extended attributes,
+                # this helper's mark among them.
+                os.setxattr(fd, BUILD_XATTR, build.token)
             finally:
                 await asyncio.to_thread(shutil.rmtree, stage, True)
             build.stage = "ready"

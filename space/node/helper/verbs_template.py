@@ -292,7 +292,8 @@ async def template_script(ctx: HelperContext, args: ScriptArgs, call: Call) -> d
     with _exclusive(args.work):
         fd = await asyncio.to_thread(_open_work, ctx, args.work, "ready")
         try:
-            rc = await build_sandbox.run(ctx, fd, argv, script.env(), on_line=keep, timeout=SCRIPT_CAP)
+            rc = await build_sandbox.run(ctx, fd, argv, script.env(), on_line=keep, timeout=SCRIPT_CAP,
+                                         guest=script.guest)
         finally:
             os.close(fd)
     if rc != 0:

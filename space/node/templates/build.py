@@ -60,6 +60,25 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
             await store.pool.begin_build(work, info.path)
 
         steps.append((f"base: template {base['name']}@{base['digest'][:16]}", from_template))
+    elif template_spec.is_image(spec):
+        image = str(spec["image"])
+
+        async def from_image() -> None:
+            await store.pool.begin_build(work)
+            rel = shipping.pool_rel(store.pool, work)
+            tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+            async def line(text: str) -> None:
+                tail.append(text)
+                await indented(text)
+
+            await store.pool.priv.call("template.oci", {"work": rel, "image": image}, on_line=line,
+                                       timeout=STEP_TIMEOUT)
+            await _run_script(store.pool.priv, rel, "image_configure", [])
+            # The image runs the guest daemon and has the template's user, or the build says what it lacks.
+            await _run_script(store.pool.priv, rel, "image_check", [str(spec.get("user") or "")])
+
+        steps.append((f"base: image {image}", from_image))
     else:
         async def from_debootstrap() -> None:
             await store.pool.begin_build(work)

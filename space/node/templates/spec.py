@@ -15,6 +15,14 @@ canonical JSON) names the template, so every key below is part of it. Three form
     the spec is digested, and fills ``user``/``env``/``workdir``/``start`` it did not set from the
     base (a derived template inherits its base's defaults; ``env`` merges, its own keys winning).
 
+*image*
+    ``name, image`` instead of ``suite/mirror/packages/home``: the root filesystem of a container
+    image, ``registry/repository@sha256:<digest>`` (a request may name a tag; the control plane
+    pins it to the digest of the image's linux/amd64 manifest, and fills ``user``/``env``/
+    ``workdir``/``start`` it did not set from the image's config, before the spec is digested).
+    The image must have ``/bin/sh`` and ``/usr/bin/python3`` able to run the guest daemon (a
+    build checks, and names what is missing), and the template's user among its users.
+
 *saved* (made from a sandbox's snapshot, never built)
     ``name, from_snapshot, sandbox, parent_template_digest`` and the parent template's
     ``user``/``env``/``workdir``/``start``. A node that lacks it downloads its stream from object
@@ -85,6 +93,16 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MODE = re.compile(r"0[0-7]{3}")
 _PIP = re.compile(r"[A-Za-z0-9][^\x00-\x1f\x7f]{0,299}")
+#: ``host[:port]/path@sha256:<hex>``: lowercase repository path components as the distribution
+#: spec allows them; no tag (a tag is resolved to a digest before a build is asked for).
+IMAGE_RE: Final = re.compile(
+    r"(?P<registry>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)"
+    r"/(?P<repository>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*){0,15})"
+    r"@(?P<digest>sha256:[0-9a-f]{64})")
+#: What ``image.inspect`` takes: a tag, a digest, or both (the digest wins).
+REFERENCE_RE: Final = re.compile(
+    IMAGE_RE.pattern.split("@", 1)[0]
+    + r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
 
 
 def bad(key: str, why: str) -> ValidationFailed:
@@ -97,6 +115,10 @@ def is_saved(spec: dict[str, Any]) -> bool:
 
 def is_derived(spec: dict[str, Any]) -> bool:
     return "base_template" in spec
+
+
+def is_image(spec: dict[str, Any]) -> bool:
+    return "image" in spec
 
 
 def has_build_steps(spec: dict[str, Any]) -> bool:
@@ -206,6 +228,13 @@ def validate_node_spec(spec: dict[str, Any], validate_base: Callable[[dict[str, 
         check_name(str(spec.get("name", "")), "template name")
     except SpaceError:
         raise bad("name", "must be a simple name ([A-Za-z0-9._-])") from None
+    if is_image(spec):
+        if not isinstance(spec["image"], str) or IMAGE_RE.fullmatch(spec["image"]) is None:
+            raise bad("image", "must be registry/repository@sha256:<64 hex> (the control plane pins a tag)")
+        if any(k in spec for k in ("suite", "mirror", "packages", "home", "base_template")):
+            raise bad("image", "excludes suite, mirror, packages, home and base_template")
+        check_build_fields(spec)
+        return
     if is_saved(spec):
         for key in ("from_snapshot", "sandbox"):
             try:

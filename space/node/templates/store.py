@@ -114,8 +114,9 @@ def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise ValidationFailed("template spec must be an object")
     spec = copy.deepcopy(spec)
-    if template_spec.is_derived(spec) or template_spec.is_saved(spec):
-        # The forms of space/node/templates/spec.py: derived from a template, saved from a sandbox.
+    if template_spec.is_derived(spec) or template_spec.is_saved(spec) or template_spec.is_image(spec):
+        # The forms of space/node/templates/spec.py: derived from a template, from a container
+        # image, saved from a sandbox.
         template_spec.validate_node_spec(spec, validate_spec, digest_of=spec_digest)
         return spec
     missing = [k for k in ("name", "suite", "mirror", "packages", "user", "home") if k not in spec]
@@ -452,7 +453,7 @@ class TemplateStore:
         started = time.monotonic()
         log.info("template.build_started", template=label)
         try:
-            if template_spec.is_derived(spec) or template_spec.has_build_steps(spec):
+            if template_spec.is_derived(spec) or template_spec.is_image(spec) or template_spec.has_build_steps(spec):
                 await template_build.build_custom(self, spec, work, emit)
             else:
                 await self.pool.begin_build(work)
