@@ -39,7 +39,8 @@ _LOGGING: Final = ("SPACE_LOG_LEVEL",)
 #: The node agent's settings (``NodeSettings``, failpoints, the gateway's interpreter for its helper).
 _NODE_SETTINGS: Final = ("SPACE_NODE_USER", "SPACE_SSE_KEEPALIVE", "SPACE_GATEWAY_HOSTS_FILE",
                          "SPACE_GATEWAY_UPSTREAM_CA", "SPACE_GATEWAY_UPSTREAM_DNS", "SPACE_GATEWAY_PYTHON",
-                         "SPACE_FAILPOINTS", "SPACE_BUILD_MIRRORS", "SPACE_BUILD_EGRESS")
+                         "SPACE_FAILPOINTS", "SPACE_BUILD_MIRRORS", "SPACE_BUILD_EGRESS",
+                         "SPACE_BUILD_REGISTRIES")
 
 #: Per role, the names taken from the parent's environment (when set there).
 ALLOW: Final[Mapping[Role, tuple[str, ...]]] = {

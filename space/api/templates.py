@@ -22,6 +22,7 @@ from space.api.fields import Bool
 from space.api.openapi import RAW_BODY
 from space.api.snapshots import live_snapshot
 from space.api.state import AppState, app_state
+from space.api.template_images import pin_image
 from space.errors import (
     Conflict,
     InvalidRequest,
@@ -156,6 +157,8 @@ async def resolve_spec(st: AppState, name: str, raw: dict[str, Any]) -> dict[str
     except SpaceError:
         raise ValidationFailed(f"invalid template name {name!r}", field="name") from None
     spec = {**raw, "name": name}
+    if template_spec.is_image(spec):
+        spec = await pin_image(st, spec)
     if template_spec.is_saved(spec):
         raise ValidationFailed("a saved template cannot be built: save one with POST /v1/templates",
                                field="from_snapshot")

@@ -114,6 +114,8 @@ def template(t: Template) -> dict[str, Any]:
         "digest": t.digest,
         "status": t.status,
         "size_bytes": t.size_bytes,
+        # A template from a container image: the image, pinned by the digest its build used.
+        "image": (t.spec or {}).get("image"),
         "error": t.error,
         "created_at": _ts(t.created_at),
         "updated_at": _ts(t.updated_at),

@@ -56,14 +56,17 @@ def build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if it is up to date.")] = False,
     builtin: Annotated[bool, typer.Option(
         "--builtin", help=f"Build the template SPACE ships as NAME ({', '.join(builtin_templates.names())}).")] = False,
+    image: Annotated[str | None, typer.Option(
+        "--image", help="Build from this container image (registry/repository:tag or @sha256:...), with its "
+                        "config as the template's defaults.")] = None,
 ) -> None:
     """Build a template: its log streams to stderr, then its digest is printed on stdout."""
+    if sum((builtin, file is not None, image is not None)) > 1:
+        raise errors.ValidationFailed("--builtin, -f/--file and --image exclude each other", field="file")
     if builtin:
-        if file is not None:
-            raise errors.ValidationFailed("--builtin and -f/--file exclude each other", field="file")
         file = builtin_templates.spec_file(name)
     with client(ctx) as c:
-        spec = None
+        spec: dict[str, object] | None = {"image": image} if image is not None else None
         if file is not None:
             parsed = template_spec.load(file, name=name)
             for sha, path in parsed.blobs.items():

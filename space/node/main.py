@@ -108,6 +108,11 @@ class NodeSettings:
     #: The Debian mirrors template builds may debootstrap from (``$SPACE_BUILD_MIRRORS``,
     #: comma-separated; default http://deb.debian.org/debian): the root helper refuses any other.
     build_mirrors: tuple[str, ...] = dataclasses.field(default_factory=build_net.build_mirrors)
+    #: The container registries templates may come from (``$SPACE_BUILD_REGISTRIES``,
+    #: comma-separated ``https://host[:port]``, ``http://`` for one without TLS; default none): the
+    #: root helper pulls from no other.
+    build_registries: tuple[str, ...] = dataclasses.field(
+        default_factory=lambda: build_net.env_list("SPACE_BUILD_REGISTRIES"))
     #: The deployment's sandbox address range (``--sandbox-network``); this node takes a /20 of it.
     sandbox_network: str = DEFAULT_SANDBOX_NETWORK
     #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
@@ -275,6 +280,7 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                          guest_dir=guest_dir(settings.data_dir), gateway_ports=GatewayPorts().as_tuple(),
                          gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors,
+                         registries=settings.build_registries,
                          sandbox_network=parse_sandbox_network(settings.sandbox_network))
 
 

@@ -279,6 +279,10 @@ class EnsureTemplate(BaseModel):
     force: bool = False
 
 
+class InspectImage(BaseModel):
+    image: str = Field(..., min_length=1, max_length=1024)
+
+
 class SaveTemplate(BaseModel):
     name: str
     sandbox_id: str
@@ -440,6 +444,12 @@ def create_node_app(
     @r.get("/templates")
     async def list_templates() -> dict[str, Any]:
         return {"templates": [_template_view(t) for t in await templates.list()]}
+
+    @r.post("/images/inspect")
+    async def inspect_image(body: InspectImage) -> dict[str, Any]:
+        """What an image reference names now, pinned by digest, with its config's template defaults
+        (the root helper asks the registry; only the operator's registries are asked)."""
+        return await templates.pool.priv.call("image.inspect", {"image": body.image}, timeout=150)
 
     @r.post("/templates/ensure")
     async def ensure_template(body: EnsureTemplate) -> StreamingResponse:

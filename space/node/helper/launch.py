@@ -88,6 +88,8 @@ class HelperProcess:
             argv += ["--gateway-config", json.dumps(c.gateway.to_json())]
         for mirror in c.mirrors:
             argv += ["--mirror", mirror]
+        for registry in c.registries:
+            argv += ["--registry", registry]
         return argv
 
     async def start(self, *, timeout: float = 30.0) -> HelperClient:

@@ -43,7 +43,8 @@ The TOML file (paths relative to it; ``name`` is optional, the CLI's NAME wins):
 
     name = "py-web"
     [base]
-    template = "base"            # or suite = "bookworm" (+ mirror, packages)
+    template = "base"            # or suite = "bookworm" (+ mirror, packages), or
+                                 # image = "registry.example.com/team/app:1.4" (or @sha256:...)
     [build]
     apt = ["jq"]
     pip = ["requests==2.32.3"]
@@ -329,15 +330,25 @@ def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -
         check_name(spec_name, "template name")
     except SpaceError:
         raise bad("name", "must be a simple name ([A-Za-z0-9._-])") from None
-    base = _table(doc, "base", {"suite", "mirror", "packages", "template"})
+    base = _table(doc, "base", {"suite", "mirror", "packages", "template", "image"})
     build = _table(doc, "build", {"apt", "pip", "files", "run", "env", "user", "workdir"})
     start = _table(doc, "start", {"cmd", "ready"})
 
     spec: dict[str, Any] = {"name": spec_name}
-    if ("suite" in base) == ("template" in base):
-        raise bad("base", "needs exactly one of suite and template")
+    if sum(k in base for k in ("suite", "template", "image")) != 1:
+        raise bad("base", "needs exactly one of suite, template and image")
     user = build.get("user")
-    if "template" in base:
+    if "image" in base:
+        if set(base) != {"image"}:
+            raise bad("base", "with image takes no suite, mirror or packages")
+        ref = base["image"]
+        m = REFERENCE_RE.fullmatch(ref) if isinstance(ref, str) else None
+        if m is None or not (m["tag"] or m["digest"]):
+            raise bad("base.image", "must be registry/repository:tag or registry/repository@sha256:<64 hex>")
+        spec["image"] = ref  # the control plane pins it (and takes the image's defaults)
+        if user is not None:
+            spec["user"] = check_user(user, "build.user")
+    elif "template" in base:
         if set(base) != {"template"}:
             raise bad("base", "with template takes no suite, mirror or packages")
         try:
