@@ -2,8 +2,10 @@
 (replicated API and controllers on PostgreSQL: warm creates against `space serve` on SQLite,
 concurrent bursts across replicas, exec over mutual TLS, leader failover; bench/cluster.py),
 ``drain`` (a node drained under idle, memory and disk workloads: the guest's freeze and each
-move's parts; bench/drain.py) and ``backup`` (continuous backup of a sandbox writing steadily:
-traffic against the bytes changed, RPO, the guest's longest pause; bench/backup.py).
+move's parts; bench/drain.py), ``backup`` (continuous backup of a sandbox writing steadily:
+traffic against the bytes changed, RPO, the guest's longest pause; bench/backup.py) and
+``template_image`` (a template from a container image against skopeo + umoci alone, with a
+registry of its own; bench/template_image.py).
 
 Each script runs as a process of its own (it starts and stops its deployment), writes its JSON
 where it is told, and its figures become rows of bench/run's one table (metric | p50 | p90 | p99 |
@@ -25,7 +27,7 @@ from bench.lifecycle import table_row
 
 REPO = Path(__file__).resolve().parents[1]
 
-PARTS = ("cluster", "drain", "backup")
+PARTS = ("cluster", "drain", "backup", "template_image")
 
 #: Each part's script and its arguments, full and --quick.
 SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -33,6 +35,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
                                         "--failovers", "1"]),
     "drain": ("bench/drain.py", [], ["--per", "2", "--rounds", "1", "--workloads", "idle"]),
     "backup": ("bench/backup.py", [], ["--minutes", "1"]),
+    "template_image": ("bench/template_image.py", [], ["--runs", "1"]),
 }
 
 
@@ -95,4 +98,10 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[str]]:
                     f"| {b['ratio_shipped_to_changed']} |")
         rows.append(f"| continuous backup: the guest's longest gap (ms) | {b['guest_gap_backed_s']['max'] * 1000:.0f} "
                     f"| | | 1 | {b['guest_gap_baseline_s']['max'] * 1000:.0f} (no backup) | |")
+    if t := res.get("template_image"):
+        base = t["skopeo_umoci_ms"]
+        rows.append(table_row("template from a container image: build → done (ms)", t["materialize_ms"],
+                              f"{base['p50']:.0f} (skopeo copy + umoci unpack alone)", t["ratio_p50"]))
+        rows.append(table_row("template from a container image: the same tag again (ms)", t["rebuild_same_tag_ms"]))
+        rows.append(table_row("a sandbox of an image template, create → running (ms)", t["create_ms"]))
     return rows, notes

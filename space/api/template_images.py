@@ -3,7 +3,8 @@ digest of the image's linux/amd64 manifest, and the sandbox defaults the spec do
 from the image's config, as a derived template takes its base's (``space.node.templates.spec``).
 
 A node answers what the reference names now (its root helper asks the registry, one of the
-operator's): the control plane itself reaches no registry.
+operator's, with the operator's login for it if there is one: :mod:`space.controller.registry_auth`):
+the control plane itself reaches no registry.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from space.api.state import AppState
+from space.controller.registry_auth import registry_logins
 from space.errors import SpaceError, Unavailable, ValidationFailed
 from space.node.templates.spec import _USER, REFERENCE_RE, check_build_fields
 
@@ -31,8 +33,10 @@ async def pin_image(st: AppState, spec: dict[str, Any]) -> dict[str, Any]:
     if not nodes:
         raise Unavailable("no ready node to ask the registry what the image is")
     node = await st.nodes.client(nodes[0].id)
+    logins = await registry_logins(st.credentials, st.operator_tenant, {"image": ref},
+                                   target=f"template:{spec.get('name', '')}")
     try:
-        found = await node.call("POST", "/v1/images/inspect", json_body={"image": ref}, timeout=150)
+        found = await node.call("POST", "/v1/images/inspect", json_body={"image": ref, "auth": logins}, timeout=150)
     except SpaceError as exc:
         raise type(exc)(f"image {ref}: {exc.message}", **exc.details) from None
     return with_image_defaults(spec, str(found["image"]), dict(found.get("config") or {}))

@@ -174,8 +174,9 @@ async def resolve_spec(st: AppState, name: str, raw: dict[str, Any]) -> dict[str
 
 
 async def queue_build(st: AppState, name: str, spec: dict[str, Any], *, tenant: str,
-                      force: bool = False) -> tuple[Operation, Any]:
-    """One build per template at a time: a build already under way is returned, not doubled."""
+                      force: bool = False, request: dict[str, Any] | None = None) -> tuple[Operation, Any]:
+    """One build per template at a time: a build already under way is returned, not doubled.
+    ``request``: more for the operation's request (what a caller finds it by)."""
     running = await st.store.find_operations(target=name, kind="template.build", status=["pending", "running"])
     if running:
         return running[0], await st.store.get_template(name)
@@ -186,7 +187,7 @@ async def queue_build(st: AppState, name: str, spec: dict[str, Any], *, tenant: 
     except NotFound:
         cur = await st.store.upsert_template(name, digest="", status="building", spec=spec)
     op = Operation(id=ids.operation_id(), tenant=tenant, kind="template.build", target=name, status="pending",
-                   request={"spec": spec, "force": force})
+                   request={"spec": spec, "force": force, **(request or {})})
     op, _ = await st.store.create_operation(op)
     st.controller.wake()
     return op, cur

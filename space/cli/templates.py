@@ -11,6 +11,7 @@ from space import errors
 from space import templates as builtin_templates
 from space.cli import output
 from space.cli.context import client
+from space.node.templates import dockerfile
 from space.node.templates import spec as template_spec
 from space.sdk import Client
 
@@ -51,8 +52,14 @@ def build(
     ctx: typer.Context,
     name: str,
     file: Annotated[Path | None, typer.Option(
-        "-f", "--file", help="Build from this space-template.toml (its files are uploaded first).",
+        "-f", "--file", help="Build from this space-template.toml, or from this Dockerfile (any other name): "
+                             "its files are uploaded first.",
         exists=True, dir_okay=False, readable=True)] = None,
+    context: Annotated[Path | None, typer.Option(
+        "--context", help="A Dockerfile's build context (default: the Dockerfile's directory).",
+        exists=True, file_okay=False)] = None,
+    build_arg: Annotated[list[str] | None, typer.Option(
+        "--build-arg", help="NAME=VALUE for an ARG of the Dockerfile (repeatable).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if it is up to date.")] = False,
     builtin: Annotated[bool, typer.Option(
         "--builtin", help=f"Build the template SPACE ships as NAME ({', '.join(builtin_templates.names())}).")] = False,
@@ -68,7 +75,8 @@ def build(
     with client(ctx) as c:
         spec: dict[str, object] | None = {"image": image} if image is not None else None
         if file is not None:
-            parsed = template_spec.load(file, name=name)
+            parsed = (template_spec.load(file, name=name) if file.suffix == ".toml"
+                      else _dockerfile(file, name, context, build_arg or []))
             for sha, path in parsed.blobs.items():
                 if not c.templates.has_blob(sha):
                     output.info(f"uploading {path} ({path.stat().st_size} bytes)")
@@ -78,6 +86,20 @@ def build(
         output.info(f"building template {name} (operation {op.id})")
         digest = _follow(c, op.id, name)
     output.line(digest)
+
+
+def _dockerfile(file: Path, name: str, context: Path | None, build_args: list[str]) -> template_spec.ParsedTemplate:
+    args: dict[str, str] = {}
+    for given in build_args:
+        key, eq, value = given.partition("=")
+        if not eq or not key:
+            raise errors.ValidationFailed(f"--build-arg takes NAME=VALUE, not {given[:60]!r}", field="build_arg")
+        args[key] = value
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.ValidationFailed(f"cannot read {file}: {exc}", field="file") from None
+    return dockerfile.parse(text, (context or file.parent).resolve(), name=name, build_args=args)
 
 
 @app.command()

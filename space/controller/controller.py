@@ -27,6 +27,7 @@ from space.controller.moves import Moves, start_drain
 from space.controller.node_loss import NodeLoss, node_lease
 from space.controller.nodes import NodeRegistry
 from space.controller.policies import Policies
+from space.controller.registry_auth import registry_logins
 from space.controller.rotation import KeyRotation
 from space.controller.sealing import Sealer
 from space.controller.template_ops import TemplateOps
@@ -468,7 +469,9 @@ class Controller:
         if not spec:
             raise NotFound(f"template {name!r} is not on node {node.node_id} and has no spec to build it from")
         await self.store.set_operation_progress(op.id, {"message": f"materializing template {name} on {node.node_id}"})
-        async for item in node.ensure_template(spec):
+        logins = await registry_logins(self.lifecycle.credentials, self.operator_tenant, spec,
+                                       target=f"template:{name}")
+        async for item in node.ensure_template(spec, registry_auth=logins):
             if "error" in item:
                 err = item["error"]
                 raise from_wire(500, {"error": {**err, "message": f"node {node.node_id}: {err.get('message')}"}})
@@ -519,11 +522,13 @@ class Controller:
         # One node builds; it publishes the template to object storage, from which every other
         # node materializes it when a sandbox is first placed there (_materialize).
         nodes = (await self._wait_nodes(op))[:1]
+        logins = await registry_logins(self.lifecycle.credentials, self.operator_tenant, spec,
+                                       target=f"template:{op.target}")
         result: dict[str, Any] = {}
         for node in nodes:
             pending: list[str] = []
             last_flush = time.monotonic()
-            async for item in node.ensure_template(spec, force=force):
+            async for item in node.ensure_template(spec, force=force, registry_auth=logins):
                 if "log" in item:
                     pending.append(str(item["log"]))
                     if len(pending) >= 20 or time.monotonic() - last_flush > 0.5:

@@ -25,8 +25,8 @@ import structlog
 from space import secret_hosts
 from space.api.auth import Principal
 from space.credentials.backends import Backends, BuiltinBackend
-from space.egress_policy import validate_host_pattern
-from space.errors import Forbidden, InvalidRequest, NotFound, PayloadTooLarge, SpaceError
+from space.egress_policy import match_host, validate_host_pattern
+from space.errors import Conflict, Forbidden, InvalidRequest, NotFound, PayloadTooLarge, SpaceError
 from space.store import Sandbox, Store
 from space.store.models import AuditRecord, Secret, utcnow
 
@@ -379,6 +379,47 @@ class CredentialManager:
         finally:
             await self._audit_sink(records)
         return out
+
+    # ---- container registries -------------------------------------------------------------------
+
+    async def registry_login(self, tenant: str, registry: str, actor: str = "system",
+                             target: str = "") -> tuple[str, str] | None:
+        """The username and password template builds pull from ``registry`` (``host[:port]``)
+        with: the ``tenant``'s (the operator's: templates are theirs) tenant-scope secret of format
+        ``basic`` whose hosts match the registry's host, the most specific match if several (an
+        exact host over ``*.domain``); None when there is none (an anonymous pull). Audited."""
+        host = registry.rsplit(":", 1)[0] if registry.count(":") == 1 else registry
+        candidates: builtins.list[tuple[int, Secret]] = []
+        for row in await self.store.list_secrets(tenant, scopes=[TENANT]):
+            if row.format != BASIC:
+                continue
+            exact = [h for h in row.hosts or () if h == host]
+            wild = [h for h in row.hosts or () if h.startswith("*.") and match_host(h, host)]
+            if exact or wild:
+                candidates.append((0 if exact else 1, row))
+        if not candidates:
+            return None
+        best = min(rank for rank, _ in candidates)
+        chosen = [row for rank, row in candidates if rank == best]
+        if len(chosen) > 1:
+            raise Conflict(f"secrets {', '.join(sorted(r.name for r in chosen))} all name registry host {host}: "
+                           "keep one", registry=registry)
+        row = chosen[0]
+        now = utcnow()
+        record = AuditRecord(tenant=tenant, actor=actor, action="secret.resolve", target=target or registry,
+                             result="ok", details={"name": row.name, "secret_id": row.id, "registry": registry})
+        try:
+            if row.expires_at is not None and row.expires_at <= now:
+                record.result, record.action = "denied", "secret.expired"
+                return None
+            raw = await self.backends.get(row.backend).get(row)
+        except SpaceError as e:
+            record.result = e.code
+            raise
+        finally:
+            await self._audit_sink([record])
+        user, _, password = raw.partition(":")
+        return user, password
 
     # ---- key rotation ---------------------------------------------------------------------------
 

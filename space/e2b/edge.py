@@ -32,7 +32,8 @@ ENVD_PORT: Final = 49983
 #: The audit's actor for calls authorized by a sandbox's envd access token.
 ENVD_ACTOR: Final = "e2b-envd-token"
 #: Paths of E2B's control API (SPACE's own API lives under /v1).
-CONTROL_PREFIXES: Final = ("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates")
+CONTROL_PREFIXES: Final = ("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates", "/v2/templates",
+                           "/v3/templates")
 NOT_FOUND_MESSAGE: Final = "The sandbox was not found"
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.(.+?)(?::\d+)?$")
 

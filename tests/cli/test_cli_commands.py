@@ -107,6 +107,23 @@ def test_apikey_in_e2b_spelling(fake: FakeAPI, space: Run, monkeypatch: pytest.M
     assert space("apikey", "e2b", "not-a-key").exit_code == 2
 
 
+def test_template_build_from_a_dockerfile_or_an_image(fake: FakeAPI, space: Run, tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("ARG V=1\nFROM registry.example.com/team/app:$V\nENV A=1\nRUN make\n")
+    result = space("template", "build", "base", "-f", str(tmp_path / "Dockerfile"), "--build-arg", "V=2")
+    assert result.exit_code == 0, result.stderr
+    [sent] = fake.seen("POST", "/v1/templates/base/build")
+    spec = sent.json()["spec"]
+    assert (spec["image"], spec["env"], spec["run"][-1].splitlines()[-1]) == (
+        "registry.example.com/team/app:2", {"A": "1"}, "make")
+    assert space("template", "build", "base", "--image", "registry.example.com/x:1").exit_code == 0
+    assert fake.seen("POST", "/v1/templates/base/build")[-1].json()["spec"] == {"image": "registry.example.com/x:1"}
+    (tmp_path / "Dockerfile").write_text("FROM base\nHEALTHCHECK CMD true\n")
+    refused = space("template", "build", "base", "-f", str(tmp_path / "Dockerfile"))
+    assert refused.exit_code != 0 and "Dockerfile line 2: HEALTHCHECK" in refused.stderr
+    both = space("template", "build", "base", "-f", str(tmp_path / "Dockerfile"), "--image", "r.example.com/x:1")
+    assert both.exit_code != 0 and "exclude each other" in both.stderr
+
+
 def test_json_outputs_parse(fake: FakeAPI, space: Run, sandbox_id: str) -> None:
     assert json.loads(space("sandbox", "get", sandbox_id, "--json").stdout) == fake.sandboxes[sandbox_id]
     assert [s["id"] for s in json.loads(space("sandbox", "list", "--json").stdout)] == [sandbox_id]

@@ -34,6 +34,12 @@ def test_run_returns_output_and_exit_code(sbx: e2b.Sandbox) -> None:
     assert r.stderr == "oops\n"
 
 
+def test_python_is_there_as_agent_code_calls_it(sbx: e2b.Sandbox) -> None:
+    """E2B's base has ``python`` as well as ``python3``: agent code runs ``python x.py``."""
+    r = sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'")
+    assert (r.exit_code, r.stdout) == (0, "3\n")
+
+
 def test_run_special_characters_multiline_and_broken_utf8(sbx: e2b.Sandbox) -> None:
     assert sbx.commands.run('echo "!@#$%^&*()_+"').stdout == "!@#$%^&*()_+\n"
     assert sbx.commands.run('echo "Hello,\nWorld!"').stdout == "Hello,\nWorld!\n"

@@ -13,13 +13,21 @@ Aspects:
 - the same tag built again (by the API, and by ``space template build NAME --image REF``) is the same
   template (same digest, nothing rebuilt)
 - an image that cannot run SPACE's guest daemon (no python) fails its build with a message saying so
+- E2B's own SDK: ``Template().from_image(...)`` with ENV, WORKDIR, RUN and USER, ``Template.build``
+  and ``Template.exists``, then ``Sandbox.create`` of it; a failing RUN and a COPY fail the build
 - a registry the operator did not list is refused before anything is pulled
+- a Dockerfile through the CLI: FROM that image, COPY, RUN in the ENV/WORKDIR/USER before it, CMD
+  started at boot; a sandbox of it has it all
+- a registry that wants a login: refused without one; with the operator's secret for its host
+  (format basic) the image is pinned, pulled and run, the login audited and found nowhere else
+  (not in the template, its operation, nor the server's log)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -30,21 +38,22 @@ import httpx
 import pytest
 
 from tests.e2e.harness import SPACE, Server, base_template, create_sandbox, own_server, run, wait_operation
-from tests.node.test_helper_oci import registry
+from tests.node.test_helper_oci import auth_registry, push_with_login, registry
 
 pytestmark = [pytest.mark.runtime,
               pytest.mark.skipif(not all(shutil.which(t) for t in ("docker-registry", "skopeo", "umoci", "buildah")),
                                  reason="needs docker-registry, skopeo, umoci and buildah (make setup installs them)")]
 
-__all__ = ["registry"]
+__all__ = ["auth_registry", "registry"]
 
 CACHE = Path("/var/cache/space")
 CMD = "echo started-by-image > /tmp/image-cmd; exec sleep infinity"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, registry: str) -> Iterator[Server]:
-    with own_server(tmp_path_factory.mktemp("img"), env={"SPACE_BUILD_REGISTRIES": f"http://{registry}"}) as srv:
+def server(tmp_path_factory: pytest.TempPathFactory, registry: str, auth_registry: str) -> Iterator[Server]:
+    registries = f"http://{registry},http://{auth_registry}"
+    with own_server(tmp_path_factory.mktemp("img"), env={"SPACE_BUILD_REGISTRIES": registries}) as srv:
         yield srv
         for manifest in (srv.data_dir / "pool" / "templates").glob("*@*.json"):
             body = json.loads(manifest.read_text())
@@ -85,12 +94,13 @@ def build_image(buildah: Buildah, server: Server, registry: str, repo: str, *, d
     """The server's base root as an image, configured like a Dockerfile would, pushed as
     ``registry/repo:1``; its name by tag."""
     c = buildah("from", "scratch")
-    buildah("copy", c, str(base_template(server)), "/")
+    # Mounted and copied with owners kept (buildah copy would make every file root's).
+    mnt = Path(buildah("mount", c))
+    subprocess.run(["cp", "-a", f"{base_template(server)}/.", str(mnt)], check=True)
     if drop_python:
-        mnt = Path(buildah("mount", c))
         (mnt / "usr/bin/python3").unlink()
         (mnt / "usr/bin/python3.11").unlink()
-        buildah("umount", c)
+    buildah("umount", c)
     buildah("config", "--env", "GREETING=hello from the image", "--user", "user", "--workingdir", "/home/user",
             "--cmd", json.dumps(["/bin/sh", "-c", CMD]), c)
     buildah("commit", "--quiet", c, f"{repo}:1")
@@ -149,3 +159,116 @@ def test_a_registry_not_listed_is_refused(api: httpx.Client) -> None:
     assert r.status_code == 400 and "not one this node pulls images from" in r.json()["error"]["message"], r.text
     r = api.post("/v1/templates/elsewhere/build", json={"spec": {"image": "no-tag-or-digest/x"}})
     assert r.status_code == 422 and r.json()["error"]["field"] == "image", r.text
+
+
+def test_e2b_sdk_template_build_from_the_image_then_a_sandbox_of_it(
+        server: Server, api: httpx.Client, buildah: Buildah, registry: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B's own ``Template().from_image(...)...`` and ``Template.build``, then ``Sandbox.create``."""
+    e2b = pytest.importorskip("e2b")
+    from tests.e2e import e2b_env
+
+    e2b_env.point_sdk_at(monkeypatch, server)
+    image = f"{registry}/team/app:1"
+    if api.get("/v1/templates/team-app").status_code != 200:  # the image the first test pushed
+        image = build_image(buildah, server, registry, "team/app")
+    assert not e2b.Template.exists("e2b-app")
+    template = (e2b.Template().from_image(image)
+                .set_envs({"STAGE": "built by e2b"})
+                .set_workdir("/srv/app")
+                .run_cmd("echo \"$STAGE\" > marker && chown user marker")
+                .set_user("user")
+                .run_cmd("id -un > /home/user/built-as"))  # (a build's last step empties /tmp)
+    logs: list[str] = []
+    info = e2b.Template.build(template, "e2b-app:v1", on_build_logs=lambda e: logs.append(e.message))
+    assert info.template_id == "e2b-app"
+    assert e2b.Template.exists("e2b-app") and not e2b.Template.exists("no-such-template")
+    assert any("base: image" in line for line in logs), logs[-20:]
+
+    sbx = e2b.Sandbox.create("e2b-app")
+    try:
+        r = sbx.commands.run('cat marker; echo "$STAGE"; pwd; id -un; cat /home/user/built-as; cat /tmp/image-cmd')
+        assert r.stdout.splitlines() == ["built by e2b", "built by e2b", "/srv/app", "user", "user",
+                                         "started-by-image"]
+    finally:
+        sbx.kill()
+
+    # SPACE's own templates are not E2B's to rebuild.
+    with pytest.raises(Exception, match="configured on this server"):
+        e2b.Template.build(e2b.Template().from_image(image), "base")
+    # A step that fails fails the build, with its output; COPY is refused by name.
+    with pytest.raises(e2b.BuildException, match="exit 3"):
+        e2b.Template.build(e2b.Template().from_image(image).run_cmd("echo about to fail; exit 3"), "e2b-broken")
+    with pytest.raises(Exception, match="COPY is not supported"):
+        e2b.Template.build(e2b.Template().from_image(image).copy(Path(__file__).name, "/tmp/x.py"), "e2b-copy")
+
+
+def test_a_dockerfile_through_the_cli(server: Server, api: httpx.Client, buildah: Buildah, registry: str,
+                                      tmp_path: Path) -> None:
+    """``space template build NAME -f Dockerfile``: FROM the user's image, COPY from the context,
+    RUN in the ENV/WORKDIR/USER before it, CMD as the start command; then a sandbox of it."""
+    image = f"{registry}/team/app:1"
+    if api.get("/v1/templates/team-app").status_code != 200:
+        image = build_image(buildah, server, registry, "team/app")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<h1>from a Dockerfile</h1>\n")
+    (tmp_path / "Dockerfile").write_text(f"""
+ARG GREETING=hi
+FROM {image}
+ENV SITE=/srv/site
+WORKDIR $SITE
+COPY site/ ./
+USER user
+RUN echo "$GREETING from $(id -un) in $(pwd)" > /home/user/built
+EXPOSE 8000
+CMD ["python3", "-m", "http.server", "8000"]
+""")
+    env = {**os.environ, "SPACE_URL": server.url, "SPACE_API_KEY": server.admin_key}
+    p = subprocess.run([SPACE, "template", "build", "from-dockerfile", "-f", str(tmp_path / "Dockerfile"),
+                        "--build-arg", "GREETING=hello"], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(p.stdout.strip()) == 64
+    sid = create_sandbox(api, template="from-dockerfile")
+    try:
+        # The start command has no readiness check (a Dockerfile has none SPACE takes): poll for it.
+        fetch = ("import time, urllib.request as u\nfor _ in range(100):\n    try:\n"
+                 "        print(u.urlopen('http://127.0.0.1:8000/').read().decode(), end=''); break\n"
+                 "    except OSError:\n        time.sleep(0.1)\n")
+        script = f"cat /home/user/built; cat index.html; pwd; python3 -c {shlex.quote(fetch)}"
+        code, out, err = run(api, sid, {"shell": script})
+        assert code == 0, err
+        assert out.decode().splitlines() == ["hello from user in /srv/site", "<h1>from a Dockerfile</h1>",
+                                             "/srv/site", "<h1>from a Dockerfile</h1>"]
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_private_registry_with_the_operators_login(server: Server, api: httpx.Client, auth_registry: str,
+                                                     tmp_path: Path) -> None:
+    layer = tmp_path / "base.tar"
+    subprocess.run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-C", str(base_template(server)),
+                    "-cf", str(layer), "."], check=True)
+    pinned = push_with_login(tmp_path, auth_registry, "private/app", [layer])
+    tag = pinned.split("@")[0] + ":v1"
+
+    r = api.post("/v1/templates/private-app/build", json={"spec": {"image": tag, "user": "user"}})
+    assert r.status_code >= 400 and "unauthorized" in r.text.lower(), r.text
+
+    r = api.put("/v1/secrets/registry-login", json={"value": "alice:s3cret", "format": "basic",
+                                                    "hosts": ["localhost"]})
+    assert r.status_code in (200, 201), r.text
+    r = api.post("/v1/templates/private-app/build", json={"spec": {"image": tag, "user": "user"}})
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"], timeout=900)
+    assert op["status"] == "succeeded", op
+    assert api.get("/v1/templates/private-app").json()["image"] == pinned
+    sid = create_sandbox(api, template="private-app")
+    try:
+        code, out, _ = run(api, sid, {"shell": "id -un"})
+        assert (code, out) == (0, b"user\n")
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+    audit = api.get("/v1/audit", params={"action": "secret.resolve"}).json()["records"]
+    assert any(a["details"].get("registry") == auth_registry and a["target"] == "template:private-app"
+               for a in audit), audit
+    assert "s3cret" not in json.dumps(op) and "s3cret" not in json.dumps(api.get("/v1/templates/private-app").json())
+    assert "s3cret" not in server.log_path.read_text(errors="replace")

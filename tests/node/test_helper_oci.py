@@ -346,3 +346,84 @@ async def test_inspect_pins_a_tag_to_this_platforms_manifest(
             await priv.call("image.inspect", {"image": bad})
     with pytest.raises(RuntimeFailure, match="skopeo inspect failed"):
         await priv.call("image.inspect", {"image": f"{registry}/test/inspect:no-such-tag"})
+
+
+@pytest.fixture(scope="module")
+def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A registry that wants a login (alice / s3cret, htpasswd), as ``localhost:<port>``."""
+    import warnings
+
+    with warnings.catch_warnings():  # crypt: the one stdlib way to bcrypt (libxcrypt), going in 3.13
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+    d = tmp_path_factory.mktemp("auth-registry")
+    (d / "htpasswd").write_text(f"alice:{crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH))}\n")
+    port = _free_port()
+    (d / "config.yml").write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+                                  f"    rootdirectory: {d / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+                                  f"auth:\n  htpasswd:\n    realm: test\n    path: {d / 'htpasswd'}\n")
+    log = (d / "registry.log").open("wb")
+    proc = subprocess.Popen(["docker-registry", "serve", str(d / "config.yml")], stdout=log, stderr=log)
+    try:
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(up, timeout=30, what="the registry to listen")
+        yield f"localhost:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def push_with_login(tmp_path: Path, registry: str, repo: str, layers: list[list[Entry] | Path]) -> str:
+    layout = tmp_path / f"layout-{uuid.uuid4().hex[:8]}"
+    write_layout(layout, layers, {})
+    subprocess.run(["skopeo", "--insecure-policy", "copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false",
+                    "--dest-creds", "alice:s3cret", f"oci:{layout}:v1", f"docker://{registry}/{repo}:v1"],
+                   check=True, capture_output=True)
+    index = json.loads((layout / "index.json").read_text())
+    return f"{registry}/{repo}@{index['manifests'][0]['digest']}"
+
+
+@pytest.fixture
+def priv_auth(btrfs_pool: Pool, auth_registry: str) -> InProcess:
+    return InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                   pool_root=btrfs_pool.root, registries=(f"http://{auth_registry}",)))
+
+
+async def test_a_registry_that_wants_a_login_gets_the_one_passed(
+        priv_auth: InProcess, work: tuple[str, Path], auth_registry: str, tmp_path: Path) -> None:
+    from space.node.templates.logins import logins_fd
+
+    rel, root = work
+    image = push_with_login(tmp_path, auth_registry, "private/app", [[Entry("secret-file", data=b"ok")]])
+    tag = image.split("@")[0] + ":v1"
+    # No login, a wrong one: refused by the registry, said so.
+    with pytest.raises(RuntimeFailure, match=r"skopeo inspect failed.*(unauthorized|authentication)"):
+        await priv_auth.call("image.inspect", {"image": tag})
+    with logins_fd({auth_registry: {"username": "alice", "password": "wrong"}}) as fds, \
+            pytest.raises(RuntimeFailure, match=r"unauthorized|authentication"):
+        await priv_auth.call("image.inspect", {"image": tag}, fds=fds)
+    login = {auth_registry: {"username": "alice", "password": "s3cret"}}
+    with logins_fd(login) as fds:
+        assert (await priv_auth.call("image.inspect", {"image": tag}, fds=fds))["image"] == image
+    with logins_fd(login) as fds:
+        await priv_auth.call("template.oci", {"work": rel, "image": image}, fds=fds)
+    assert (root / "secret-file").read_bytes() == b"ok"
+    # The login never stays on the node: the staging directories are gone.
+    assert not [p for p in (priv_auth.ctx.data_dir / "build-bundles").glob("oci-*")]
+
+
+async def test_malformed_logins_are_refused(priv_auth: InProcess, auth_registry: str) -> None:
+    for bad in (b"not json", b"[]", json.dumps({"Bad Host": {"username": "a", "password": "b"}}).encode(),
+                json.dumps({auth_registry: {"username": "a:b", "password": "c"}}).encode(),
+                json.dumps({auth_registry: {"username": "a", "password": "line\nbreak"}}).encode(),
+                json.dumps({auth_registry: {"username": "a"}}).encode(), b"x" * (65 << 10)):
+        fd = os.memfd_create("bad-logins")
+        try:
+            os.write(fd, bad)
+            with pytest.raises(InvalidRequest, match=r"registry logins|limited"):
+                await priv_auth.call("image.inspect", {"image": f"{auth_registry}/private/app:v1"}, fds={"auth": fd})
+        finally:
+            os.close(fd)

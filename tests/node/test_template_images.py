@@ -11,14 +11,17 @@ Aspects:
 - an image without /usr/bin/python3, one whose python lacks a module the daemon imports, and one
   without the template's user fail the build with a message naming what is missing, and leave no
   template and no build tree behind
+- three ensures of one new image at once pull and unpack it once
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,3 +109,32 @@ async def test_an_image_that_cannot_run_the_guest_fails_naming_what_it_lacks(
     with pytest.raises(RuntimeFailure, match=message.replace("(", r"\(").replace(")", r"\)")):
         await store.ensure({"name": name, "image": image, "user": user})
     assert _leftovers(btrfs_pool, name) == []
+
+
+class Counting(InProcess):
+    """The in-process helper, counting the verbs it was asked for."""
+
+    def __init__(self, ctx: HelperContext) -> None:
+        super().__init__(ctx)
+        self.calls: list[str] = []
+
+    async def call(self, verb: str, *args: Any, **kw: Any) -> dict[str, Any]:
+        self.calls.append(verb)
+        return await super().call(verb, *args, **kw)
+
+
+async def test_concurrent_ensures_of_one_new_image_pull_it_once(
+        btrfs_pool: Pool, registry: str, base_layer: Path, tmp_path: Path) -> None:
+    image = push(tmp_path, registry, "test/once", [base_layer, [Entry("etc/once", data=b"1")]])
+    kept = btrfs_pool.priv
+    counting = Counting(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                      pool_root=btrfs_pool.root, registries=(f"http://{registry}",)))
+    btrfs_pool.priv = counting
+    try:
+        store = TemplateStore(btrfs_pool, DEFAULT_CACHE_DIR)
+        spec = {"name": "once", "image": image, "user": "user"}
+        first, second, third = await asyncio.gather(*(store.ensure(dict(spec)) for _ in range(3)))
+    finally:
+        btrfs_pool.priv = kept
+    assert first.path == second.path == third.path
+    assert counting.calls.count("template.oci") == 1

@@ -159,7 +159,7 @@ def test_rotation_revokes_both_tokens_at_once(server: Server, made: e2b_env.Sand
     assert fresh["sandboxID"] == sid and new_envd != old_envd and new_traffic != old_traffic
     # The old ones stop working at once, everywhere; the new ones work.
     assert _stat(server, sid, old_envd).status_code == 401
-    assert _port(server, sid, old_traffic).status_code == 401
+    assert _port(server, sid, old_traffic).status_code == 403  # a port's refusal is E2B's 403
     assert httpx.get(old_url, headers={"E2b-Sandbox-Id": sid}).status_code == 401
     assert _stat(server, sid, new_envd).status_code == 200
     assert _port(server, sid, new_traffic).status_code == 200

@@ -15,7 +15,7 @@ import json
 import os
 import signal as signal_mod
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import structlog
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request, Response
@@ -49,6 +49,7 @@ from space.node.sandboxes.warm import PoolKey, WarmPool, node_memory_mb
 from space.node.storage import backup_chain, snapshots
 from space.node.storage.artifacts import SealingSpec
 from space.node.templates import save as template_save
+from space.node.templates.logins import logins_fd
 from space.node.templates.store import TemplateStore
 from space.web import event_wire, guest_event, install_error_handlers
 
@@ -274,13 +275,24 @@ class KeyCheckRequest(BaseModel):
     key: dict[str, str]
 
 
+class RegistryLogin(BaseModel):
+    username: str = Field(..., min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f:]+$")
+    password: str = Field(..., min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]+$")
+
+
+#: Logins by registry (``host[:port]``), for the images a build or an inspection pulls.
+RegistryLogins = Annotated[dict[Annotated[str, Field(max_length=261)], RegistryLogin], Field(max_length=16)]
+
+
 class EnsureTemplate(BaseModel):
     spec: dict[str, Any]
     force: bool = False
+    registry_auth: RegistryLogins = Field(default_factory=dict)
 
 
 class InspectImage(BaseModel):
     image: str = Field(..., min_length=1, max_length=1024)
+    auth: RegistryLogins = Field(default_factory=dict)
 
 
 class SaveTemplate(BaseModel):
@@ -449,7 +461,8 @@ def create_node_app(
     async def inspect_image(body: InspectImage) -> dict[str, Any]:
         """What an image reference names now, pinned by digest, with its config's template defaults
         (the root helper asks the registry; only the operator's registries are asked)."""
-        return await templates.pool.priv.call("image.inspect", {"image": body.image}, timeout=150)
+        with logins_fd({k: v.model_dump() for k, v in body.auth.items()}) as fds:
+            return await templates.pool.priv.call("image.inspect", {"image": body.image}, fds=fds, timeout=150)
 
     @r.post("/templates/ensure")
     async def ensure_template(body: EnsureTemplate) -> StreamingResponse:
@@ -461,7 +474,8 @@ def create_node_app(
 
         async def work() -> None:
             try:
-                info = await templates.ensure(body.spec, on_progress=progress, force=body.force)
+                info = await templates.ensure(body.spec, on_progress=progress, force=body.force,
+                                              registry_auth={k: v.model_dump() for k, v in body.registry_auth.items()})
                 await queue.put(json.dumps({"template": _template_view(info)}).encode() + b"\n")
             except SpaceError as exc:
                 await queue.put(json.dumps(exc.to_wire()).encode() + b"\n")

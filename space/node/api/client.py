@@ -157,10 +157,12 @@ class NodeClient:
             writer.close()
             raise
 
-    async def ensure_template(self, spec: dict[str, Any], *, force: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """Yield the node's NDJSON progress objects ({"log"} lines, then {"template"} or {"error"})."""
-        resp = await self.open_stream("POST", "/v1/templates/ensure",
-                                      content=json.dumps({"spec": spec, "force": force}).encode(),
+    async def ensure_template(self, spec: dict[str, Any], *, force: bool = False,
+                              registry_auth: dict[str, dict[str, str]] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Yield the node's NDJSON progress objects ({"log"} lines, then {"template"} or {"error"}).
+        ``registry_auth``: logins for the registries the spec's images come from, by registry."""
+        body = {"spec": spec, "force": force, "registry_auth": registry_auth or {}}
+        resp = await self.open_stream("POST", "/v1/templates/ensure", content=json.dumps(body).encode(),
                                       headers={"content-type": "application/json"})
         try:
             async for line in resp.aiter_lines():

@@ -25,12 +25,14 @@ staging directory with every size bounded, and returned for the template's defau
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -48,6 +50,10 @@ log = structlog.get_logger(__name__)
 OCI_CAP: Final = 3600.0
 #: A registry the operator allows: ``https://host[:port]``, or ``http://`` for one without TLS.
 REGISTRY_RE: Final = re.compile(r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)")
+#: A registry as logins name it: ``host[:port]``.
+REGISTRY_HOST_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?")
+#: The largest ``auth`` descriptor read (a few logins).
+MAX_LOGINS: Final = 64 << 10
 #: Bounds on what is read of the pulled image: its index, its manifest, its config.
 MAX_INDEX: Final = 1 << 20
 MAX_MANIFEST: Final = 4 << 20
@@ -107,20 +113,29 @@ def _scheme(ctx: HelperContext, registry: str) -> str:
     return scheme
 
 
-@verb("image.inspect", InspectArgs, cap=120)
+@verb("image.inspect", InspectArgs, cap=120, fds=("auth",))
 async def image_inspect(ctx: HelperContext, args: InspectArgs, call: Call) -> dict[str, Any]:
     """What ``image`` (a tag or a digest) is now: pinned by the digest of this platform's manifest
     (an index of platforms is resolved to its linux/amd64 entry), and its config's defaults."""
     m = REFERENCE_RE.fullmatch(args.image)
     assert m is not None
     tls = f"--tls-verify={'true' if _scheme(ctx, m['registry']) == 'https' else 'false'}"
+    stage = _staging(ctx)
+    try:
+        auth = f"--authfile={_auth_file(stage, call)}"
+        return await _inspect(args.image, m, tls, auth)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, stage, True)
+
+
+async def _inspect(image: str, m: re.Match[str], tls: str, auth: str) -> dict[str, Any]:
     repo = f"{m['registry']}/{m['repository']}"
     ref = f"{repo}@{m['digest']}" if m["digest"] else f"{repo}:{m['tag']}"
     for _ in range(2):  # the reference, then (an index) its platform's entry
-        raw = await _skopeo_out("inspect", "--raw", tls, f"docker://{ref}", limit=MAX_MANIFEST)
+        raw = await _skopeo_out("inspect", "--raw", tls, auth, f"docker://{ref}", limit=MAX_MANIFEST)
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         if m["digest"] and ref.endswith(m["digest"]) and digest != m["digest"]:
-            raise RuntimeFailure(f"{args.image}: the registry answered a manifest whose digest is {digest}")
+            raise RuntimeFailure(f"{image}: the registry answered a manifest whose digest is {digest}")
         doc = _loads(raw, "manifest")
         if doc.get("mediaType") not in INDEX_TYPES and "manifests" not in doc:
             break
@@ -129,14 +144,15 @@ async def image_inspect(ctx: HelperContext, args: InspectArgs, call: Call) -> di
                    and all(e["platform"].get(k) == v for k, v in PLATFORM.items())
                    and isinstance(e.get("digest"), str) and re.fullmatch(r"sha256:[0-9a-f]{64}", e["digest"])]
         if not entries:
-            raise RuntimeFailure(f"{args.image} has no linux/amd64 image", image=args.image)
+            raise RuntimeFailure(f"{image} has no linux/amd64 image", image=image)
         ref = f"{repo}@{entries[0]['digest']}"
-        m = REFERENCE_RE.fullmatch(ref)
-        assert m is not None
+        found = REFERENCE_RE.fullmatch(ref)
+        assert found is not None
+        m = found
     else:
-        raise RuntimeFailure(f"{args.image}: an index of platforms inside an index")
-    config = _loads(await _skopeo_out("inspect", "--config", tls, f"docker://{repo}@{digest}", limit=MAX_CONFIG),
-                    "config")
+        raise RuntimeFailure(f"{image}: an index of platforms inside an index")
+    config = _loads(await _skopeo_out("inspect", "--config", tls, auth, f"docker://{repo}@{digest}",
+                                      limit=MAX_CONFIG), "config")
     return {"image": f"{repo}@{digest}", "config": image_defaults(config)}
 
 
@@ -161,7 +177,7 @@ def _loads(data: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
-@verb("template.oci", OciArgs, cap=OCI_CAP, streaming=True)
+@verb("template.oci", OciArgs, cap=OCI_CAP, streaming=True, fds=("auth",))
 async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[str, Any]:
     """Pull ``image`` and unpack its root filesystem into the empty work tree; lines stream (a
     failure raises with their tail). Returns the image's digest, layer count and config."""
@@ -184,7 +200,7 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
                     tail.append(text)
                     await call.line(text)
 
-                await _pull(stage, args.image, scheme, line, tail)
+                await _pull(stage, args.image, scheme, _auth_file(stage, call), line, tail)
                 manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
                 await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
                 await _unpack(fd, stage, line, tail)
@@ -214,9 +230,11 @@ def _staging(ctx: HelperContext) -> str:
     return str(stage)
 
 
-async def _pull(stage: str, image: str, scheme: str, line: privileged.LineCallback, tail: deque[str]) -> None:
+async def _pull(stage: str, image: str, scheme: str, auth: str, line: privileged.LineCallback,
+                tail: deque[str]) -> None:
     argv = ["skopeo", "--policy", f"{stage}/policy.json", "copy", "--quiet", "--preserve-digests",
             "--retry-times", "2", f"--src-tls-verify={'true' if scheme == 'https' else 'false'}",
+            f"--src-authfile={auth}",
             f"docker://{image}", f"oci:{stage}/layout:{TAG}"]
     rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV)
     if rc != 0:
@@ -232,6 +250,40 @@ async def _unpack(fd: int, stage: str, line: privileged.LineCallback, tail: dequ
     rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV, pass_fds=(fd,))
     if rc != 0:
         raise RuntimeFailure(f"unpacking the image failed (umoci exit {rc}): {_last(tail)}", output="\n".join(tail))
+
+
+def _auth_file(stage: str, call: Call) -> str:
+    """The skopeo auth file of this call, in its root-only staging directory: the logins passed as
+    ``auth`` (``{registry: {"username", "password"}}``, at most :data:`MAX_LOGINS` bytes), or none.
+    Always this file: skopeo would otherwise read root's own (``/run/containers/0/auth.json``,
+    ``~/.docker/config.json``) and pull with whatever login the host's root once made."""
+    auths: dict[str, dict[str, str]] = {}
+    fd = call.fds.get("auth")
+    if fd is not None:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidRequest("the auth descriptor must be a regular file (a memfd)")
+        data = os.pread(fd, MAX_LOGINS + 1, 0)
+        if len(data) > MAX_LOGINS:
+            raise InvalidRequest(f"registry logins are limited to {MAX_LOGINS} bytes")
+        try:
+            logins = json.loads(data)
+        except ValueError:
+            raise InvalidRequest("registry logins are not JSON") from None
+        if not isinstance(logins, dict):
+            raise InvalidRequest("registry logins are {registry: {username, password}}")
+        for registry, login in logins.items():
+            if (not isinstance(registry, str) or REGISTRY_HOST_RE.fullmatch(registry) is None
+                    or not isinstance(login, dict) or set(login) != {"username", "password"}
+                    or not all(isinstance(v, str) and v and v.isprintable() for v in login.values())
+                    or ":" in login["username"]):
+                raise InvalidRequest("registry logins are {registry: {username, password}}")
+            token = base64.b64encode(f"{login['username']}:{login['password']}".encode()).decode()
+            auths[registry] = {"auth": token}
+    path = f"{stage}/auth.json"
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(out, "w") as f:
+        json.dump({"auths": auths}, f)
+    return path
 
 
 def _last(tail: deque[str]) -> str:

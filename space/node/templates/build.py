@@ -30,6 +30,7 @@ from space.errors import NotFound, RuntimeFailure, SpaceError
 from space.node.helper.backend import Privileged
 from space.node.storage import shipping
 from space.node.templates import spec as template_spec
+from space.node.templates.logins import Logins, logins_fd
 
 if TYPE_CHECKING:
     from space.node.templates.store import Progress, TemplateStore
@@ -42,8 +43,10 @@ TAIL_LINES: Final = 40
 Step = tuple[str, Callable[[], Awaitable[None]]]
 
 
-async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, emit: Progress) -> None:
-    """Populate ``work`` (which must not exist yet) from ``spec``, emitting ``[n/N] step`` lines."""
+async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, emit: Progress, *,
+                       registry_auth: Logins | None = None) -> None:
+    """Populate ``work`` (which must not exist yet) from ``spec``, emitting ``[n/N] step`` lines;
+    ``registry_auth``: the logins its images (its own, its bases') are pulled with."""
     steps: list[Step] = []
 
     async def indented(line: str) -> None:
@@ -53,7 +56,7 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
         base = spec["base_template"]
 
         async def from_template() -> None:
-            info = await store.ensure(base["spec"], on_progress=indented)
+            info = await store.ensure(base["spec"], on_progress=indented, registry_auth=registry_auth)
             if info.digest != base["digest"]:
                 raise RuntimeFailure(f"base template {base['name']} materialized as {info.digest[:16]}, "
                                      f"not {base['digest'][:16]}")
@@ -72,8 +75,9 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
                 tail.append(text)
                 await indented(text)
 
-            await store.pool.priv.call("template.oci", {"work": rel, "image": image}, on_line=line,
-                                       timeout=STEP_TIMEOUT)
+            with logins_fd(registry_auth) as fds:
+                await store.pool.priv.call("template.oci", {"work": rel, "image": image}, fds=fds, on_line=line,
+                                           timeout=STEP_TIMEOUT)
             await _run_script(store.pool.priv, rel, "image_configure", [])
             # The image runs the guest daemon and has the template's user, or the build says what it lacks.
             await _run_script(store.pool.priv, rel, "image_check", [str(spec.get("user") or "")])

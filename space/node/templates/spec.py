@@ -64,6 +64,7 @@ import copy
 import hashlib
 import os
 import re
+import shlex
 import stat
 import tomllib
 from collections.abc import Callable
@@ -282,6 +283,33 @@ def resolve_base(spec: dict[str, Any], base_spec: dict[str, Any], digest: str) -
     if env:
         out["env"] = env
     return out
+
+
+# -- build steps from instruction lists (Dockerfiles, E2B's template SDK) ---------------------------
+
+
+def with_instructions(spec: dict[str, Any], *, run: list[str], env: dict[str, str], workdir: str | None,
+                      user: str | None, start: dict[str, Any] | None) -> dict[str, Any]:
+    """``spec`` with what a list of instructions (a Dockerfile's, E2B's SDK's) came to, the empty
+    ones left out (an empty key would change the digest of the same template)."""
+    for key, value in (("run", run), ("env", env), ("workdir", workdir), ("user", user), ("start", start)):
+        if value:
+            spec[key] = value
+    return spec
+
+
+def in_context(cmd: str, env: dict[str, str], workdir: str | None, user: str | None) -> str:
+    """A ``run`` step (``/bin/sh -c``) that runs ``cmd`` as a Dockerfile's RUN does after the ENV,
+    WORKDIR and USER before it: with ``env`` exported, in ``workdir`` (made if missing), as ``user``
+    (``su``; root otherwise)."""
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    if workdir:
+        lines.append(f"mkdir -p {shlex.quote(workdir)} && cd {shlex.quote(workdir)}")
+    lines.append(cmd)
+    script = "\n".join(lines)
+    if user and user != "root":
+        return f"su -s /bin/sh {shlex.quote(user)} -c {shlex.quote(script)}"
+    return script
 
 
 # -- the TOML file ------------------------------------------------------------------------------------

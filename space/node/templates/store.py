@@ -67,6 +67,7 @@ from space.node.storage.pool import Pool, check_name, file_lock
 from space.node.templates import build as template_build
 from space.node.templates import objects as template_objects
 from space.node.templates import spec as template_spec
+from space.node.templates.logins import Logins
 from space.node.templates.objects import Published, StreamRef
 from space.objauth import ManifestKeys
 from space.objstore import ObjectStore
@@ -84,7 +85,8 @@ BASE_SPEC: Final[dict[str, Any]] = {
     "name": "base",
     "suite": "bookworm",
     "mirror": "http://deb.debian.org/debian",
-    "packages": ["python3", "bash", "coreutils", "procps", "git", "curl", "ca-certificates"],
+    # python-is-python3: `python` too, as E2B's base has it (agent code runs `python x.py`).
+    "packages": ["python3", "python-is-python3", "bash", "coreutils", "procps", "git", "curl", "ca-certificates"],
     "user": "user",
     "home": "/home/user",
 }
@@ -240,10 +242,11 @@ class TemplateStore:
 
     async def ensure(
         self, spec: dict[str, Any], *, on_progress: Progress | None = None, force: bool = False,
-        stream: StreamRef | None = None,
+        stream: StreamRef | None = None, registry_auth: Logins | None = None,
     ) -> TemplateInfo:
         """Materialize the template of ``spec``; with ``stream`` (what a sealed snapshot manifest
-        names), a node that lacks it receives exactly that stream or fails."""
+        names), a node that lacks it receives exactly that stream or fails. ``registry_auth``: the
+        logins a build pulls the spec's images with (:mod:`space.node.templates.logins`)."""
         spec = validate_spec(spec)
         digest = spec_digest(spec)
         label = f"{spec['name']}@{digest[:16]}"
@@ -264,7 +267,8 @@ class TemplateStore:
 
                 lock = self.cache_dir / "locks" / f"{digest}.lock"
                 async with file_lock(lock, on_contended=contended):
-                    info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force, stream)
+                    info = await self._ensure_locked(spec, digest, flight.emit, on_progress, force, stream,
+                                                     registry_auth)
                 if self._unshared.pop(digest, False):
                     await self._share(spec["name"], digest, flight.emit)  # takes the file lock itself
                 flight.completed += 1
@@ -279,7 +283,7 @@ class TemplateStore:
 
     async def _ensure_locked(
         self, spec: dict[str, Any], digest: str, emit: Progress, own: Progress | None, force: bool,
-        want: StreamRef | None,
+        want: StreamRef | None, registry_auth: Logins | None = None,
     ) -> TemplateInfo:
         """``emit`` reaches every caller waiting on this digest; ``own`` only this one (a waiter
         that watched the build need not tell the others it found the result)."""
@@ -344,7 +348,7 @@ class TemplateStore:
         if template_spec.is_saved(spec):
             raise NotFound(f"template {label} was saved from sandbox {spec['sandbox']} and cannot be rebuilt; "
                            "its stream is not in object storage (nor in this node's cache)", template=name)
-        built = await self._build(spec, digest, emit)
+        built = await self._build(spec, digest, emit, registry_auth)
         self._unshared[digest] = True
         return built
 
@@ -445,7 +449,8 @@ class TemplateStore:
         log.info("template.received", template=label, seconds=round(seconds, 2))
         return info
 
-    async def _build(self, spec: dict[str, Any], digest: str, emit: Progress) -> TemplateInfo:
+    async def _build(self, spec: dict[str, Any], digest: str, emit: Progress,
+                     registry_auth: Logins | None = None) -> TemplateInfo:
         final = self.pool.template_path(spec["name"], digest)
         label = final.name
         work = self.pool.tmp_dir / f"build-{label}"
@@ -454,7 +459,7 @@ class TemplateStore:
         log.info("template.build_started", template=label)
         try:
             if template_spec.is_derived(spec) or template_spec.is_image(spec) or template_spec.has_build_steps(spec):
-                await template_build.build_custom(self, spec, work, emit)
+                await template_build.build_custom(self, spec, work, emit, registry_auth=registry_auth)
             else:
                 await self.pool.begin_build(work)
                 await self._builder(spec, work, self.cache_dir, emit)

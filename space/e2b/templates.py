@@ -1,0 +1,192 @@
+"""E2B's template build API on SPACE's templates: what ``Template.build``, ``Template.exists`` and
+``Sandbox.create(<name>)`` call.
+
+An E2B template is a SPACE template of the same name (its ``templateID``; a ``name:tag`` is the
+name, tags are not kept). ``POST /v3/templates`` names the build (``buildID``, nothing stored: the
+control plane stays stateless), ``POST /v2/templates/{id}/builds/{build}`` turns the SDK's
+instructions into a SPACE template spec and starts a ``template.build`` operation recorded under
+that build id, and ``GET /templates/{id}/builds/{build}/status`` reads that operation and its log
+lines. Templates are global in SPACE: building needs an admin key (403 otherwise).
+
+The instructions, in order, become SPACE's spec:
+
+- ``fromImage`` → ``image`` (pinned by digest, its config giving the defaults:
+  :mod:`space.api.template_images`); E2B's own base image (``e2bdev/base``) and ``fromTemplate``
+  → a template derived from a SPACE template;
+- ``RUN cmd [user]`` → a ``run`` step, in the environment, working directory and user the
+  ``ENV``, ``WORKDIR`` and ``USER`` before it set (as a Dockerfile's do); ``su`` runs it as a user
+  other than root;
+- the last ``ENV``s, ``WORKDIR`` and ``USER`` → the template's ``env``, ``workdir`` and ``user``;
+- ``startCmd`` / ``readyCmd`` → ``start`` (``cmd``, ``ready.cmd``).
+
+Not yet: ``COPY`` (refused, 400 naming it), and templates' cpu and memory (SPACE sizes sandboxes,
+not templates: ignored). Credentials sent with the build (``fromImageRegistry``) are refused: a
+private registry's login is the operator's secret for its host (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from space.api import templates as space_templates
+from space.e2b.control import Auth, E2BError, St
+from space.e2b.edge import json_body
+from space.errors import NotFound, SpaceError
+from space.node.storage.pool import check_name
+from space.node.templates.spec import in_context, with_instructions
+
+router = APIRouter()
+
+#: E2B's own base image: its template is SPACE's ``base`` here.
+E2B_BASE_IMAGES: Final = ("e2bdev/base", "e2bdev/base:latest", "docker.io/e2bdev/base")
+#: Log entries a status answer carries at most (E2B's SDK expects pages and asks again).
+LOG_PAGE: Final = 100
+MAX_STEPS: Final = 256
+_STATUS: Final = {"pending": "waiting", "running": "building", "succeeded": "ready", "failed": "error",
+                  "cancelled": "error"}
+
+
+class BuildRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = Field(None, max_length=256)
+    alias: str | None = Field(None, max_length=256)
+    tags: list[str] | None = Field(None, max_length=64)
+
+
+class Step(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: str = Field(..., max_length=16)
+    args: list[Annotated[str, Field(max_length=65536)]] = Field(default_factory=list, max_length=512)
+    files_hash: str | None = Field(None, alias="filesHash", max_length=128)
+    force: bool | None = None
+
+
+class BuildStart(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    from_image: str | None = Field(None, alias="fromImage", max_length=1024)
+    from_template: str | None = Field(None, alias="fromTemplate", max_length=256)
+    from_image_registry: dict[str, Any] | None = Field(None, alias="fromImageRegistry")
+    force: bool = False
+    steps: list[Step] = Field(default_factory=list, max_length=MAX_STEPS)
+    start_cmd: str | None = Field(None, alias="startCmd", max_length=65536)
+    ready_cmd: str | None = Field(None, alias="readyCmd", max_length=65536)
+
+
+def template_name(given: str) -> str:
+    """A ``name[:tag]`` as SPACE's template name (the tag dropped), or 400."""
+    name = given.partition(":")[0]
+    try:
+        return check_name(name, "template name")
+    except SpaceError:
+        raise E2BError(400, f"invalid template name {given[:100]!r}: letters, digits, '.', '_' and '-'") from None
+
+
+@router.post("/v3/templates", status_code=202)
+async def request_build(body: BuildRequest, who: Auth, st: St) -> Response:
+    who.require_operator()  # templates are global: an admin's
+    name = template_name(body.name or body.alias or "")
+    build_id = f"bld-{secrets.token_hex(8)}"
+    return json_body({"templateID": name, "buildID": build_id, "public": True, "names": [name],
+                      "tags": list(body.tags or []), "aliases": [name]}, 202)
+
+
+@router.get("/templates/{template_id}/files/{files_hash}")
+async def file_upload_link(template_id: str, files_hash: str, who: Auth, st: St) -> Response:
+    who.require_operator()
+    raise E2BError(400, "COPY is not supported by SPACE's E2B template builds yet: put the files in the "
+                        "image, or build the template with SPACE's space-template.toml (its files)")
+
+
+@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
+async def start_build(template_id: str, build_id: str, body: BuildStart, who: Auth, st: St) -> Response:
+    who.require_operator()
+    name = template_name(template_id)
+    if name in st.controller.template_specs:
+        raise E2BError(409, f"template {name} is configured on this server (built from its own spec): "
+                            "build under another name")
+    spec = spec_of(body)
+    try:
+        spec = await space_templates.resolve_spec(st, name, spec)
+    except SpaceError as exc:  # a bad spec is E2B's 400; a registry or node that fails keeps its status
+        raise E2BError(400 if exc.status in (400, 422) else exc.status, f"template {name}: {exc.message}",
+                       exc.code) from None
+    await space_templates.queue_build(st, name, spec, tenant=who.tenant, force=body.force,
+                                      request={"e2b_build": build_id})
+    return Response(status_code=202)
+
+
+def spec_of(body: BuildStart) -> dict[str, Any]:
+    """The SPACE template spec (request form) of an E2B build's instructions."""
+    if body.from_image_registry:
+        raise E2BError(400, "registry credentials in the build (fromImageRegistry) are not taken: SPACE pulls "
+                            "with the operator's login for the registry, a secret of format basic naming its host")
+    spec: dict[str, Any] = {}
+    if body.from_image and body.from_image not in E2B_BASE_IMAGES:
+        spec["image"] = body.from_image
+    else:
+        spec["base_template"] = template_name(body.from_template) if body.from_template else "base"
+    env: dict[str, str] = {}
+    workdir: str | None = None
+    user: str | None = None
+    run: list[str] = []
+    for i, step in enumerate(body.steps):
+        kind = step.type.upper()
+        if kind == "ENV":
+            if len(step.args) % 2:
+                raise E2BError(400, f"step {i + 1}: ENV takes name and value pairs")
+            env.update(zip(step.args[::2], step.args[1::2], strict=True))
+        elif kind == "WORKDIR" and len(step.args) == 1:
+            workdir = step.args[0]
+        elif kind == "USER" and len(step.args) == 1:
+            user = step.args[0]
+        elif kind == "RUN" and 1 <= len(step.args) <= 2:
+            run.append(in_context(step.args[0], env, workdir, step.args[1] if len(step.args) == 2 else user))
+        elif kind == "COPY":
+            raise E2BError(400, f"step {i + 1}: COPY is not supported by SPACE's E2B template builds yet")
+        else:
+            raise E2BError(400, f"step {i + 1}: {step.type[:16]!r} with {len(step.args)} argument(s) is not an "
+                                "instruction SPACE builds (RUN, ENV, WORKDIR, USER)")
+    start = ({"cmd": body.start_cmd, **({"ready": {"cmd": body.ready_cmd}} if body.ready_cmd else {})}
+             if body.start_cmd else None)
+    return with_instructions(spec, run=run, env=env, workdir=workdir, user=user, start=start)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/status")
+async def build_status(template_id: str, build_id: str, who: Auth, st: St,
+                       logs_offset: Annotated[int, Query(alias="logsOffset", ge=0)] = 0) -> Response:
+    who.require_operator()  # a build's log is the operator's (its commands' output), as the build is
+    name = template_name(template_id)
+    ops = [op for op in await st.store.find_operations(target=name, kind="template.build")
+           if (op.request or {}).get("e2b_build") == build_id]
+    if not ops:
+        raise E2BError(404, f"build {build_id[:64]} of template {name} not found")
+    op = ops[-1]
+    lines = await st.store.get_operation_logs(op.id, after=logs_offset, limit=LOG_PAGE)
+    entries = [{"timestamp": _ts(ln.at), "level": "info", "message": ln.line} for ln in lines]
+    out: dict[str, Any] = {"templateID": name, "buildID": build_id, "status": _STATUS.get(op.status, "building"),
+                           "logEntries": entries, "logs": [e["message"] for e in entries]}
+    if op.status in ("failed", "cancelled"):
+        out["reason"] = {"message": op.error_message or f"the build {op.status}"}
+    return json_body(out)
+
+
+def _ts(t: dt.datetime | None) -> str:
+    return (t or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+@router.get("/templates/aliases/{alias}")
+async def alias(alias: str, who: Auth, st: St) -> Response:
+    name = template_name(alias)
+    try:
+        t = await st.store.get_template(name)
+    except NotFound:
+        raise E2BError(404, f"template {name} not found") from None
+    if t.status != "ready":
+        raise E2BError(404, f"template {name} is {t.status}")
+    return json_body({"templateID": name, "public": True})

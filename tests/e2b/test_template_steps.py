@@ -1,0 +1,67 @@
+"""E2B template build instructions as a SPACE template spec (space.e2b.templates.spec_of): the
+base (an image, E2B's base image, a template), RUN steps in the ENV/WORKDIR/USER before them,
+the last of each as the template's defaults, the start and ready commands; refused with a 400
+naming the step: COPY, registry credentials, an unknown instruction."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from space.e2b.control import E2BError
+from space.e2b.templates import BuildStart, spec_of, template_name
+
+
+def start(**body: object) -> BuildStart:
+    return BuildStart.model_validate(body)
+
+
+def test_instructions_in_order() -> None:
+    spec = spec_of(start(fromImage="registry.example.com/team/app:1", startCmd="serve", readyCmd="true", steps=[
+        {"type": "RUN", "args": ["echo first"]},
+        {"type": "ENV", "args": ["A", "1 2", "B", "x'y"]},
+        {"type": "WORKDIR", "args": ["/srv/app"]},
+        {"type": "USER", "args": ["user"]},
+        {"type": "RUN", "args": ["echo second"]},
+        {"type": "RUN", "args": ["echo third", "root"]},
+    ]))
+    assert spec["image"] == "registry.example.com/team/app:1"
+    assert (spec["env"], spec["workdir"], spec["user"]) == ({"A": "1 2", "B": "x'y"}, "/srv/app", "user")
+    assert spec["start"] == {"cmd": "serve", "ready": {"cmd": "true"}}
+    first, second, third = spec["run"]
+    assert first == "echo first"
+    assert second.startswith("su -s /bin/sh user -c ")
+    assert third == "export A='1 2'\nexport B='x'\"'\"'y'\nmkdir -p /srv/app && cd /srv/app\necho third"
+    # The scripts are what sh runs: the environment and directory reach the command.
+    out = subprocess.run(["/bin/sh", "-c", third.replace("/srv/app", "/tmp/space-e2b-steps").replace(
+        "echo third", 'echo "$A|$B|$(pwd)"')], capture_output=True, text=True, check=True).stdout
+    assert out == "1 2|x'y|/tmp/space-e2b-steps\n"
+
+
+def test_the_base() -> None:
+    assert spec_of(start())["base_template"] == "base"
+    assert spec_of(start(fromImage="e2bdev/base"))["base_template"] == "base"
+    assert spec_of(start(fromTemplate="py-web:v2"))["base_template"] == "py-web"
+    assert "image" not in spec_of(start(fromTemplate="py-web"))
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "x"}]}, "COPY is not supported"),
+    ({"fromImage": "r.example.com/x:1", "fromImageRegistry": {"type": "registry", "username": "u"}},
+     "registry credentials in the build"),
+    ({"steps": [{"type": "HEALTHCHECK", "args": []}]}, "'HEALTHCHECK' with 0 argument"),
+    ({"steps": [{"type": "ENV", "args": ["A"]}]}, "ENV takes name and value pairs"),
+    ({"steps": [{"type": "WORKDIR", "args": ["/a", "/b"]}]}, "'WORKDIR' with 2 argument"),
+])
+def test_what_is_refused(body: dict[str, object], message: str) -> None:
+    with pytest.raises(E2BError, match=message) as info:
+        spec_of(start(**body))
+    assert info.value.status == 400
+
+
+def test_names() -> None:
+    assert template_name("my-env:v1.0") == "my-env"
+    for bad in ("", "a/b", "../x", "x y"):
+        with pytest.raises(E2BError):
+            template_name(bad)
