@@ -1,5 +1,6 @@
 """bench/run's parts with deployments of their own: every figure the saved results of
-bench/cluster.py, bench/drain.py and bench/backup.py hold becomes a row of the one table."""
+bench/cluster.py, bench/drain.py, bench/backup.py and bench/template_image.py hold becomes a row of
+the one table."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 def test_saved_results_of_each_script_become_rows_of_the_one_table() -> None:
     res = {part: json.loads((RESULTS / name).read_text()) for part, name in (
         ("cluster", "2026-12-02-cluster.json"), ("drain", "2026-12-03-drain.json"),
-        ("backup", "2026-12-03-backup.json"))}
+        ("backup", "2026-12-03-backup.json"), ("template_image", "2026-12-07-template-image.json"))}
     rows, notes = deployed.table_rows(res)
     assert all(r.startswith("| ") and r.count("|") == 8 for r in rows), rows
     text = "\n".join(rows)
     for metric in ("via a replica, PostgreSQL", "concurrent creates across 2 replicas", "mutual TLS",
                    "leader failover", "drain, idle: the guest frozen per move", "drain, mem100: one move in all",
-                   "continuous backup: traffic", "longest gap"):
+                   "continuous backup: traffic", "longest gap", "template from a container image: build",
+                   "the same tag again", "a sandbox of an image template"):
         assert metric in text, metric
     assert any("served warm" in n for n in notes)
     assert deployed.table_rows({}) == ([], [])
