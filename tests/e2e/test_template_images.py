@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import time
@@ -39,6 +38,7 @@ import pytest
 
 from tests.e2e.harness import SPACE, Server, base_template, create_sandbox, own_server, run, wait_operation
 from tests.node.test_helper_oci import auth_registry, push_with_login, registry
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.runtime,
               pytest.mark.skipif(not all(shutil.which(t) for t in ("docker-registry", "skopeo", "umoci", "buildah")),
@@ -229,15 +229,19 @@ CMD ["python3", "-m", "http.server", "8000"]
     assert len(p.stdout.strip()) == 64
     sid = create_sandbox(api, template="from-dockerfile")
     try:
-        # The start command has no readiness check (a Dockerfile has none SPACE takes): poll for it.
-        fetch = ("import time, urllib.request as u\nfor _ in range(100):\n    try:\n"
-                 "        print(u.urlopen('http://127.0.0.1:8000/').read().decode(), end=''); break\n"
-                 "    except OSError:\n        time.sleep(0.1)\n")
-        script = f"cat /home/user/built; cat index.html; pwd; python3 -c {shlex.quote(fetch)}"
-        code, out, err = run(api, sid, {"shell": script})
+        code, out, err = run(api, sid, {"shell": "cat /home/user/built; cat index.html; pwd"})
         assert code == 0, err
         assert out.decode().splitlines() == ["hello from user in /srv/site", "<h1>from a Dockerfile</h1>",
-                                             "/srv/site", "<h1>from a Dockerfile</h1>"]
+                                             "/srv/site"]
+        # The start command has no readiness check (a Dockerfile has none SPACE takes): wait for it.
+        fetch = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read().decode(), end='')"
+
+        def served() -> bytes | None:
+            code, page, _ = run(api, sid, {"cmd": ["python3", "-c", fetch]})
+            return page if code == 0 else None
+
+        assert wait_for(served, timeout=60, what="the image's command serving the site") == (
+            b"<h1>from a Dockerfile</h1>\n")
     finally:
         api.delete(f"/v1/sandboxes/{sid}")
 

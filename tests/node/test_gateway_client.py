@@ -25,6 +25,7 @@ import pytest
 
 from space.errors import Unavailable
 from space.node.network.gateway_client import GatewayClient
+from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -92,13 +93,6 @@ async def server(tmp_path: Path) -> AsyncIterator[ControlServer]:
         await srv.stop()
 
 
-async def _until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
-    assert cond(), what
-
-
 async def test_calls_about_different_addresses_are_in_flight_at_once(server: ControlServer) -> None:
     everyone_in = asyncio.Event()
 
@@ -118,8 +112,12 @@ async def test_calls_about_different_addresses_are_in_flight_at_once(server: Con
 
 
 async def test_no_more_connections_than_the_bound(server: ControlServer) -> None:
+    both_in = asyncio.Event()
+
     async def hold(req: dict[str, Any]) -> None:
-        await asyncio.sleep(0.02)
+        if server.total_outstanding() >= 2:
+            both_in.set()
+        await both_in.wait()  # the first two wait for each other: all seven calls are under way meanwhile
 
     server.hold = hold
     client = GatewayClient(server.path, timeout=5, connections=2)
@@ -134,9 +132,15 @@ async def test_no_more_connections_than_the_bound(server: ControlServer) -> None
 
 
 async def test_calls_about_one_address_arrive_one_at_a_time_in_order(server: ControlServer) -> None:
+    other_address_in = asyncio.Event()
+
     async def hold(req: dict[str, Any]) -> None:
+        if req["n"] == 9:
+            other_address_in.set()
         if req["n"] == 0:
-            await asyncio.sleep(0.1)  # the first put is slow: nothing about its address may pass it
+            # The first put is answered only once a call about another address has arrived: that
+            # one was not queued behind it, and nothing about its own address may pass it meanwhile.
+            await other_address_in.wait()
 
     server.hold = hold
     client = GatewayClient(server.path, timeout=5)
@@ -181,7 +185,7 @@ async def test_a_cancelled_call_leaves_no_answer_for_the_next(server: ControlSer
     client = GatewayClient(server.path, timeout=5, connections=1)
     try:
         first = asyncio.create_task(client.call("put", ip="10.0.0.1", n=1))
-        await _until(lambda: len(server.seen) == 1, "the first request reached the gateway")
+        await until(lambda: len(server.seen) == 1, 5, "the first request reached the gateway")
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first

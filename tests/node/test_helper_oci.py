@@ -59,13 +59,13 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A registry on loopback: ``127.0.0.1:<port>``."""
-    d = tmp_path_factory.mktemp("registry")
+@contextlib.contextmanager
+def serve_registry(d: Path, extra_config: str = "") -> Iterator[int]:
+    """Debian's docker-registry on a free loopback port, its storage in ``d``; the port."""
     port = _free_port()
     (d / "config.yml").write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-                                  f"    rootdirectory: {d / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+                                  f"    rootdirectory: {d / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+                                  + extra_config)
     log = (d / "registry.log").open("wb")
     proc = subprocess.Popen(["docker-registry", "serve", str(d / "config.yml")], stdout=log, stderr=log)
     try:
@@ -73,11 +73,18 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             with socket.socket() as s:
                 return s.connect_ex(("127.0.0.1", port)) == 0
         wait_for(up, timeout=30, what="the registry to listen")
-        yield f"127.0.0.1:{port}"
+        yield port
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A registry on loopback: ``127.0.0.1:<port>``."""
+    with serve_registry(tmp_path_factory.mktemp("registry")) as port:
+        yield f"127.0.0.1:{port}"
 
 
 # -- images, layer by layer ------------------------------------------------------------------------
@@ -358,22 +365,8 @@ def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         import crypt
     d = tmp_path_factory.mktemp("auth-registry")
     (d / "htpasswd").write_text(f"alice:{crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH))}\n")
-    port = _free_port()
-    (d / "config.yml").write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-                                  f"    rootdirectory: {d / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-                                  f"auth:\n  htpasswd:\n    realm: test\n    path: {d / 'htpasswd'}\n")
-    log = (d / "registry.log").open("wb")
-    proc = subprocess.Popen(["docker-registry", "serve", str(d / "config.yml")], stdout=log, stderr=log)
-    try:
-        def up() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-        wait_for(up, timeout=30, what="the registry to listen")
+    with serve_registry(d, f"auth:\n  htpasswd:\n    realm: test\n    path: {d / 'htpasswd'}\n") as port:
         yield f"localhost:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def push_with_login(tmp_path: Path, registry: str, repo: str, layers: list[list[Entry] | Path]) -> str:
