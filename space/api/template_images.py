@@ -17,7 +17,7 @@ from typing import Any
 from space.api.state import AppState
 from space.controller.registry_auth import registry_logins
 from space.errors import SpaceError, Unavailable, ValidationFailed
-from space.node.templates.spec import _USER, REFERENCE_RE, check_build_fields
+from space.node.templates.spec import _USER, check_build_fields, is_reference
 
 #: What ``[base] image`` may be before it is pinned.
 MAX_REFERENCE = 1024
@@ -26,7 +26,7 @@ MAX_REFERENCE = 1024
 async def pin_image(st: AppState, spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` (an image spec as a request sends it) with its image pinned and its defaults filled."""
     ref = spec.get("image")
-    if not isinstance(ref, str) or len(ref) > MAX_REFERENCE or not _is_reference(ref):
+    if not isinstance(ref, str) or len(ref) > MAX_REFERENCE or not is_reference(ref):
         raise ValidationFailed("template spec field 'image' must be registry/repository:tag or "
                                "registry/repository@sha256:<64 hex>", field="image")
     nodes = await st.nodes.placeable_rows()
@@ -40,11 +40,6 @@ async def pin_image(st: AppState, spec: dict[str, Any]) -> dict[str, Any]:
     except SpaceError as exc:
         raise type(exc)(f"image {ref}: {exc.message}", **exc.details) from None
     return with_image_defaults(spec, str(found["image"]), dict(found.get("config") or {}))
-
-
-def _is_reference(ref: str) -> bool:
-    m = REFERENCE_RE.fullmatch(ref)
-    return m is not None and bool(m["tag"] or m["digest"])
 
 
 def with_image_defaults(spec: dict[str, Any], pinned: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from space.errors import Conflict, InvalidRequest, RuntimeFailure
 from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.helper.verbs_template import _BUILDS, BUILD_XATTR, FIRST_STAGE, _exclusive, _open_work, is_work
-from space.node.templates.spec import IMAGE_RE, REFERENCE_RE
+from space.node.templates.spec import IMAGE_RE, REFERENCE_RE, is_reference
 
 log = structlog.get_logger(__name__)
 
@@ -75,11 +75,6 @@ PLATFORM: Final = {"os": "linux", "architecture": "amd64"}
 
 def is_image(value: str) -> bool:
     return IMAGE_RE.fullmatch(value) is not None
-
-
-def is_reference(value: str) -> bool:
-    m = REFERENCE_RE.fullmatch(value)
-    return m is not None and bool(m["tag"] or m["digest"])
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,13 @@ from typing import Any, Final
 from space.errors import SpaceError, ValidationFailed
 from space.node.storage.pool import check_name
 from space.node.templates.spec import (
-    REFERENCE_RE,
     ParsedTemplate,
     _files,
     _mode,
     check_build_fields,
     check_user,
     in_context,
+    is_reference,
     with_instructions,
 )
 
@@ -237,8 +237,7 @@ def _from(spec: dict[str, Any], ref: str, line: int) -> None:
             raise _bad(line, f"FROM {ref[:80]!r}: name a SPACE template, or an image with its registry "
                              "(registry.example.com/team/app:1; nodes pull from their operator's registries)") from None
         return
-    m = REFERENCE_RE.fullmatch(ref)
-    if m is None or not (m["tag"] or m["digest"]):
+    if not is_reference(ref):
         raise _bad(line, f"FROM {ref[:80]!r}: an image is registry/repository:tag or registry/repository@sha256:...")
     spec["image"] = ref
 

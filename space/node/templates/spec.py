@@ -107,6 +107,12 @@ REFERENCE_RE: Final = re.compile(
     + r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
 
 
+def is_reference(value: object) -> bool:
+    """Whether ``value`` names an image by tag or digest (``registry/repository:tag``, ``@sha256:``)."""
+    m = REFERENCE_RE.fullmatch(value) if isinstance(value, str) else None
+    return m is not None and bool(m["tag"] or m["digest"])
+
+
 def bad(key: str, why: str) -> ValidationFailed:
     return ValidationFailed(f"template spec field {key!r} {why}", field=key)
 
@@ -370,8 +376,7 @@ def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -
         if set(base) != {"image"}:
             raise bad("base", "with image takes no suite, mirror or packages")
         ref = base["image"]
-        m = REFERENCE_RE.fullmatch(ref) if isinstance(ref, str) else None
-        if m is None or not (m["tag"] or m["digest"]):
+        if not is_reference(ref):
             raise bad("base.image", "must be registry/repository:tag or registry/repository@sha256:<64 hex>")
         spec["image"] = ref  # the control plane pins it (and takes the image's defaults)
         if user is not None:
