@@ -97,6 +97,9 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("POST", "/sandboxes/{sandbox_id}/tokens/rotate"): "sandbox.rotate_tokens",
     ("POST", "/sandboxes/{sandbox_id}/snapshots"): "snapshot.create",
     ("DELETE", "/templates/{snapshot_id}"): "snapshot.delete",
+    ("POST", "/v3/templates"): "template.build_request",
+    ("POST", "/v2/templates/{template_id}/builds/{build_id}"): "template.build",
+    ("PUT", "/templates/files/{files_hash}"): "template.blob_put",
     # E2B's envd plane (space.e2b.envd): the calls that change something in the sandbox
     ("POST", "/process.Process/Start"): "sandbox.exec",
     ("POST", "/process.Process/SendSignal"): "command.signal",

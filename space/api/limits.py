@@ -248,5 +248,15 @@ def e2b_body_classes(max_upload: int) -> dict[str, Callable[[Scope], BodyClass]]
     def const(cls: BodyClass) -> Callable[[Scope], BodyClass]:
         return lambda _scope: cls
 
-    return {"control": const(JSON_BODY), "envd": envd, "ports": const(stream)}
+    from space.node.templates.spec import MAX_BLOB_BYTES
+
+    files = BodyClass("template files", MAX_BLOB_BYTES)
+
+    def control(scope: Scope) -> BodyClass:
+        # A COPY's files, to the URL the facade signed (space.e2b.template_files).
+        if scope.get("method") == "PUT" and str(scope.get("path", "")).startswith("/templates/files/"):
+            return files
+        return JSON_BODY
+
+    return {"control": control, "envd": envd, "ports": const(stream)}
 

@@ -647,10 +647,11 @@ def create_control_app(state: AppState) -> FastAPI:
         log.exception("e2b.control.unhandled", error=repr(exc))
         return E2BError(500, "internal error; see the server log").response()
 
-    from space.e2b import snapshots, templates  # they build on this module's helpers
+    from space.e2b import snapshots, template_files, templates  # they build on this module's helpers
 
     app.include_router(router)
     app.include_router(snapshots.router)
     app.include_router(templates.router)
+    app.include_router(template_files.router)
     return app
 

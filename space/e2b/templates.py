@@ -16,12 +16,16 @@ The instructions, in order, become SPACE's spec:
 - ``RUN cmd [user]`` → a ``run`` step, in the environment, working directory and user the
   ``ENV``, ``WORKDIR`` and ``USER`` before it set (as a Dockerfile's do); ``su`` runs it as a user
   other than root;
+- ``COPY src dest [owner [mode]]`` → a ``run`` copy of the files the SDK uploaded for it
+  (:mod:`space.e2b.template_files`), in its place among the ``RUN`` steps: a relative ``dest`` is
+  under the ``WORKDIR`` before it (else the ``USER``'s home), files are owned by ``owner`` (else
+  that user);
 - the last ``ENV``s, ``WORKDIR`` and ``USER`` → the template's ``env``, ``workdir`` and ``user``;
 - ``startCmd`` / ``readyCmd`` → ``start`` (``cmd``, ``ready.cmd``).
 
-Not yet: ``COPY`` (refused, 400 naming it), and templates' cpu and memory (SPACE sizes sandboxes,
-not templates: ignored). Credentials sent with the build (``fromImageRegistry``) are refused: a
-private registry's login is the operator's secret for its host (docs/api.md).
+Not taken: templates' cpu and memory (SPACE sizes sandboxes, not templates: ignored). Credentials
+sent with the build (``fromImageRegistry``) are refused: a private registry's login is the
+operator's secret for its host (docs/api.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from space.api import templates as space_templates
+from space.api.templates import _objects
+from space.e2b import template_files
 from space.e2b.control import Auth, E2BError, St
 from space.e2b.edge import json_body
 from space.errors import NotFound, SpaceError
@@ -96,13 +102,6 @@ async def request_build(body: BuildRequest, who: Auth, st: St) -> Response:
                       "tags": list(body.tags or []), "aliases": [name]}, 202)
 
 
-@router.get("/templates/{template_id}/files/{files_hash}")
-async def file_upload_link(template_id: str, files_hash: str, who: Auth, st: St) -> Response:
-    who.require_operator()
-    raise E2BError(400, "COPY is not supported by SPACE's E2B template builds yet: put the files in the "
-                        "image, or build the template with SPACE's space-template.toml (its files)")
-
-
 @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
 async def start_build(template_id: str, build_id: str, body: BuildStart, who: Auth, st: St) -> Response:
     who.require_operator()
@@ -110,7 +109,9 @@ async def start_build(template_id: str, build_id: str, body: BuildStart, who: Au
     if name in st.controller.template_specs:
         raise E2BError(409, f"template {name} is configured on this server (built from its own spec): "
                             "build under another name")
-    spec = spec_of(body)
+    archives = {step.files_hash: await template_files.archive_of(_objects(st), step.files_hash, i)
+                for i, step in enumerate(body.steps, 1) if step.type.upper() == "COPY" and step.files_hash}
+    spec = spec_of(body, archives)
     try:
         spec = await space_templates.resolve_spec(st, name, spec)
     except SpaceError as exc:  # a bad spec is E2B's 400; a registry or node that fails keeps its status
@@ -121,8 +122,9 @@ async def start_build(template_id: str, build_id: str, body: BuildStart, who: Au
     return Response(status_code=202)
 
 
-def spec_of(body: BuildStart) -> dict[str, Any]:
-    """The SPACE template spec (request form) of an E2B build's instructions."""
+def spec_of(body: BuildStart, archives: dict[str, str] | None = None) -> dict[str, Any]:
+    """The SPACE template spec (request form) of an E2B build's instructions; ``archives``: the
+    blob (sha256) uploaded for each COPY's files hash."""
     if body.from_image_registry:
         raise E2BError(400, "registry credentials in the build (fromImageRegistry) are not taken: SPACE pulls "
                             "with the operator's login for the registry, a secret of format basic naming its host")
@@ -134,7 +136,7 @@ def spec_of(body: BuildStart) -> dict[str, Any]:
     env: dict[str, str] = {}
     workdir: str | None = None
     user: str | None = None
-    run: list[str] = []
+    run: list[str | dict[str, str]] = []
     for i, step in enumerate(body.steps):
         kind = step.type.upper()
         if kind == "ENV":
@@ -147,11 +149,16 @@ def spec_of(body: BuildStart) -> dict[str, Any]:
             user = step.args[0]
         elif kind == "RUN" and 1 <= len(step.args) <= 2:
             run.append(in_context(step.args[0], env, workdir, step.args[1] if len(step.args) == 2 else user))
-        elif kind == "COPY":
-            raise E2BError(400, f"step {i + 1}: COPY is not supported by SPACE's E2B template builds yet")
+        elif kind == "COPY" and 2 <= len(step.args) <= 4:
+            archive = (archives or {}).get(step.files_hash or "")
+            if archive is None:
+                raise E2BError(400, f"step {i + 1}: COPY {step.args[0][:200]!r} has no uploaded files")
+            owner, mode = (*step.args[2:], "", "")[:2]
+            run.append({"archive": archive, "src": step.args[0], "dest": step.args[1], "owner": owner,
+                        "mode": mode, "workdir": workdir or "", "user": user or ""})
         else:
             raise E2BError(400, f"step {i + 1}: {step.type[:16]!r} with {len(step.args)} argument(s) is not an "
-                                "instruction SPACE builds (RUN, ENV, WORKDIR, USER)")
+                                "instruction SPACE builds (RUN, COPY, ENV, WORKDIR, USER)")
     start = ({"cmd": body.start_cmd, **({"ready": {"cmd": body.ready_cmd}} if body.ready_cmd else {})}
              if body.start_cmd else None)
     return with_instructions(spec, run=run, env=env, workdir=workdir, user=user, start=start)

@@ -1,7 +1,7 @@
 """E2B template build instructions as a SPACE template spec (space.e2b.templates.spec_of): the
 base (an image, E2B's base image, a template), RUN steps in the ENV/WORKDIR/USER before them,
 the last of each as the template's defaults, the start and ready commands; refused with a 400
-naming the step: COPY, registry credentials, an unknown instruction."""
+naming the step: a COPY without uploaded files, registry credentials, an unknown instruction."""
 
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ def test_instructions_in_order() -> None:
     assert out == "1 2|x'y|/tmp/space-e2b-steps\n"
 
 
+def test_copies_keep_their_place_and_context() -> None:
+    sha = "5" * 64
+    spec = spec_of(start(steps=[
+        {"type": "RUN", "args": ["mkdir /srv"]},
+        {"type": "COPY", "args": ["app/", "/srv/app/"], "filesHash": "h1"},
+        {"type": "WORKDIR", "args": ["/srv"]},
+        {"type": "USER", "args": ["user"]},
+        {"type": "COPY", "args": ["conf/*.toml", "conf", "root:root", "0600"], "filesHash": "h2"},
+        {"type": "RUN", "args": ["ls conf"]},
+    ]), {"h1": sha, "h2": sha.replace("5", "6")})
+    first, copy1, copy2, last = spec["run"]
+    assert first == "mkdir /srv" and last.endswith("ls conf'")
+    assert copy1 == {"archive": sha, "src": "app/", "dest": "/srv/app/", "owner": "", "mode": "", "workdir": "",
+                     "user": ""}
+    assert copy2 == {"archive": "6" * 64, "src": "conf/*.toml", "dest": "conf", "owner": "root:root",
+                     "mode": "0600", "workdir": "/srv", "user": "user"}
+
+
 def test_the_base() -> None:
     assert spec_of(start())["base_template"] == "base"
     assert spec_of(start(fromImage="e2bdev/base"))["base_template"] == "base"
@@ -47,7 +65,8 @@ def test_the_base() -> None:
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ({"steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "x"}]}, "COPY is not supported"),
+    ({"steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "x"}]}, "COPY 'a' has no uploaded files"),
+    ({"steps": [{"type": "COPY", "args": ["a"], "filesHash": "x"}]}, "'COPY' with 1 argument"),
     ({"fromImage": "r.example.com/x:1", "fromImageRegistry": {"type": "registry", "username": "u"}},
      "registry credentials in the build"),
     ({"steps": [{"type": "HEALTHCHECK", "args": []}]}, "'HEALTHCHECK' with 0 argument"),

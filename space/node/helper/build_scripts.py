@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Final
 
 from space.errors import SpaceError
-from space.node.templates.spec import _ENV_NAME, _PACKAGE, _PIP, _USER, check_abs_path
+from space.node.templates.spec import _ENV_NAME, _PACKAGE, _PIP, _USER, check_abs_path, check_copy
 
 #: The uid of a debootstrap template's user.
 USER_UID: Final = 1000
@@ -109,6 +109,19 @@ if sys.argv[1]:
 ' "$user"
 """
 
+# A copy of an uploaded archive's files (a spec's ``run`` copy): the template's own python3 runs
+# copy_archive.py, whose text is the last argument (never interpolated into the script).
+COPY_ARCHIVE: Final = r"""
+if [ ! -x /usr/bin/python3 ]; then
+    echo "the template has no /usr/bin/python3, which copies files into it"
+    exit 3
+fi
+exec /usr/bin/python3 -I -S -c 'import sys; exec(sys.argv.pop())' "$@"
+"""
+COPY_ARCHIVE_CODE: Final = (Path(__file__).parent / "copy_archive.py").read_text()
+#: Where the builder writes a copy's archive in the tree (the script removes it).
+STAGED_ARCHIVE: Final = re.compile(r"/\.space-copy-[0-9a-f]{16}\.tar")
+
 BASE_CLEAN: Final = r"""
 set -eu
 apt-get clean
@@ -183,6 +196,18 @@ def fullmatch(pattern: re.Pattern[str]) -> Callable[[str], bool]:
     return lambda v: pattern.fullmatch(v) is not None
 
 
+def copy_args_ok(args: tuple[str, ...]) -> bool:
+    """ARCHIVE SRC DEST OWNER MODE WORKDIR USER, as a spec's copy has them."""
+    if len(args) != 7 or not STAGED_ARCHIVE.fullmatch(args[0]):
+        return False
+    try:
+        check_copy(dict(zip(("src", "dest", "owner", "mode", "workdir", "user"), args[1:], strict=True),
+                        archive="0" * 64), "copy")
+    except SpaceError:
+        return False
+    return True
+
+
 def _args_of(count: int, *checks: Callable[[str], bool]) -> Callable[[tuple[str, ...]], bool]:
     return lambda args: len(args) == count and all(c(a) for c, a in zip(checks, args, strict=True))
 
@@ -213,6 +238,8 @@ SCRIPTS: Final[dict[str, Script]] = {
                         "user or '', workdir or ''", "configure", base=False),
     "clean": Script(CLEAN, _args_of(0), "no arguments", "clean", base=False),
     "image_configure": Script(IMAGE_CONFIGURE, _args_of(0), "no arguments", "configure", base=True),
+    "copy_archive": Script(COPY_ARCHIVE, copy_args_ok, "archive, src, dest, owner, mode, workdir, user", "copy",
+                           base=False, extra=(COPY_ARCHIVE_CODE,)),
     "image_check": Script(IMAGE_CHECK, _args_of(1, lambda v: not v or _USER.fullmatch(v) is not None),
                           "user or ''", "check", base=True, guest=True),
 }

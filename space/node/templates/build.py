@@ -106,6 +106,10 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
         files = list(spec["files"])
         steps.append((f"copy {len(files)} file(s)", lambda: _copy_files(store, rel, files, emit)))
     for cmd in spec.get("run") or []:
+        if isinstance(cmd, dict):  # a copy of an uploaded archive's files
+            title = f"copy {_short(cmd['src'] or '.', 40)} to {_short(cmd['dest'], 40)}"
+            steps.append((title, functools.partial(_copy_archive, store, rel, dict(cmd), emit)))
+            continue
         title = f"run: {_short(cmd)}"
         steps.append((title, functools.partial(step, "run", [cmd], env, title)))
     priv = store.pool.priv
@@ -113,11 +117,11 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
     if workdir or (template_spec.is_derived(spec) and user):
         steps.append((f"configure: user {user or '-'}, workdir {workdir or '-'}",
                       lambda: _run_script(priv, rel, "configure", [user, workdir])))
-    if spec.get("apt") or spec.get("pip") or spec.get("run"):
+    networked = bool(spec.get("apt") or spec.get("pip") or template_spec.run_commands(spec))
+    if networked:
         steps.append(("clean apt lists and caches", lambda: _run_script(priv, rel, "clean", [])))
 
     total = len(steps) + 1
-    networked = bool(spec.get("apt") or spec.get("pip") or spec.get("run"))
     async with contextlib.AsyncExitStack() as stack:
         for i, (title, run_step) in enumerate(steps, 1):
             if i == 2 and networked and store.build_net is not None:
@@ -169,21 +173,43 @@ async def _run_script(priv: Privileged, work: str, script: str, args: list[str])
                              output=exc.details.get("stderr", "")) from None
 
 
-async def _copy_files(store: TemplateStore, work: str, files: list[dict[str, str]], emit: Progress) -> None:
+async def _blob(store: TemplateStore, sha256: str, what: str) -> Path:
+    """The node's copy of the blob ``sha256`` (fetched from object storage and checked if missing)."""
     blobs = store.cache_dir / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
+    local = blobs / sha256
+    if not local.exists():
+        if store.objects is None:
+            raise RuntimeFailure("the template has files but this node has no object store to fetch them from")
+        try:
+            # Checked against its name: a blob is its sha256.
+            await store.objects.get_to_file(template_spec.blob_key(sha256), local, expected_sha256=sha256)
+        except NotFound:
+            raise NotFound(f"{what} (blob {sha256[:16]}) is not in object storage; "
+                           "upload it with PUT /v1/templates/blobs/{sha256}", blob=sha256) from None
+    return local
+
+
+async def _copy_archive(store: TemplateStore, work: str, copy: dict[str, str], emit: Progress) -> None:
+    """A copy of ``run``: the archive written at the tree's top, then unpacked and placed by the
+    ``copy_archive`` script in a build sandbox (the archive is the template author's, as a run
+    step is)."""
+    local = await _blob(store, copy["archive"], f"the files to copy to {copy['dest']}")
+    staged = f"/.space-copy-{copy['archive'][:16]}.tar"
+    fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        await store.pool.priv.call("template.write_file", {"work": work, "dest": staged, "mode": "0600"},
+                                   fds={"stdin": fd}, timeout=600)
+    finally:
+        os.close(fd)
+    await _run_script(store.pool.priv, work, "copy_archive",
+                      [staged, copy["src"], copy["dest"], copy["owner"], copy["mode"], copy["workdir"], copy["user"]])
+    await emit(f"    {copy['src'] or '.'} → {copy['dest']} ({local.stat().st_size} bytes archived)")
+
+
+async def _copy_files(store: TemplateStore, work: str, files: list[dict[str, str]], emit: Progress) -> None:
     for f in files:
-        local = blobs / f["sha256"]
-        if not local.exists():
-            if store.objects is None:
-                raise RuntimeFailure("the template has files but this node has no object store to fetch them from")
-            key = template_spec.blob_key(f["sha256"])
-            try:
-                # Checked against its name: a blob is its sha256.
-                await store.objects.get_to_file(key, local, expected_sha256=f["sha256"])
-            except NotFound:
-                raise NotFound(f"the file for {f['dest']} (blob {f['sha256'][:16]}) is not in object storage; "
-                               "upload it with PUT /v1/templates/blobs/{sha256}", dest=f["dest"]) from None
+        local = await _blob(store, f["sha256"], f"the file for {f['dest']}")
         # Opened here, as the agent: the helper only gets the descriptor.
         fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
         try:

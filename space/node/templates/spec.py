@@ -34,7 +34,8 @@ Optional keys of the debootstrap and derived forms, run in this order on top of 
 - ``pip``: requirement strings, into the system python (``python3-pip`` is installed if missing);
 - ``files``: ``[{"dest", "sha256", "mode"}]`` -- the bytes are the object ``blobs/<sha256>`` in the
   object store (the CLI uploads them); ``mode`` is four octal digits;
-- ``run``: shell commands, run as root with ``/bin/sh -c``;
+- ``run``: shell commands, run as root with ``/bin/sh -c``, and copies of uploaded archives'
+  files (:data:`COPY_KEYS`), in the order given;
 - and for sandboxes of the template: ``env`` (default environment), ``user`` (default user),
   ``workdir`` (default cwd), ``start`` = ``{"cmd", "ready": {"port" | "cmd", "timeout_s"}}`` (a
   command started in the background when a sandbox boots, and how to tell it is ready).
@@ -67,7 +68,7 @@ import re
 import shlex
 import stat
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
@@ -94,6 +95,11 @@ _SUITE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MODE = re.compile(r"0[0-7]{3}")
+_OWNER = re.compile(r"[a-z_][a-z0-9_-]{0,31}(?::[a-z_][a-z0-9_-]{0,31})?")
+#: The keys of a copy in ``run``: the files under ``src`` of the archive ``blobs/<archive>`` (a tar,
+#: gzipped or not), placed at ``dest`` (relative: to ``workdir``, else ``user``'s home), owned by
+#: ``owner`` (else ``user``, else root), with ``mode`` if set. E2B's template COPY is one.
+COPY_KEYS: Final = frozenset({"archive", "src", "dest", "owner", "mode", "workdir", "user"})
 _PIP = re.compile(r"[A-Za-z0-9][^\x00-\x1f\x7f]{0,299}")
 #: ``host[:port]/path@sha256:<hex>``: lowercase repository path components as the distribution
 #: spec allows them; no tag (a tag is resolved to a digest before a build is asked for).
@@ -169,10 +175,14 @@ def check_build_fields(spec: dict[str, Any]) -> None:
     _str_list(spec, "apt", _PACKAGE, "Debian package names")
     _str_list(spec, "pip", _PIP, "pip requirements (not options)")
     run = spec.get("run")
-    if run is not None and (
-        not isinstance(run, list) or not all(isinstance(c, str) and c.strip() and "\x00" not in c for c in run)
-    ):
-        raise bad("run", "must be a list of non-empty shell commands")
+    if run is not None:
+        if not isinstance(run, list):
+            raise bad("run", "must be a list of shell commands and copies")
+        for i, c in enumerate(run):
+            if isinstance(c, dict):
+                check_copy(c, f"run[{i}]")
+            elif not isinstance(c, str) or not c.strip() or "\x00" in c:
+                raise bad(f"run[{i}]", "must be a non-empty shell command or a copy {archive, src, dest, ...}")
     files = spec.get("files")
     if files is not None:
         if not isinstance(files, list):
@@ -200,6 +210,40 @@ def check_build_fields(spec: dict[str, Any]) -> None:
     start = spec.get("start")
     if start is not None:
         _check_start(start)
+
+
+def check_copy(entry: dict[str, Any], key: str) -> None:
+    """A ``run`` entry that copies files of an uploaded archive (:data:`COPY_KEYS`)."""
+    if set(entry) != COPY_KEYS:
+        raise bad(key, f"a copy must be exactly {{{', '.join(sorted(COPY_KEYS))}}}")
+    if not isinstance(entry["archive"], str) or not _SHA256.fullmatch(entry["archive"]):
+        raise bad(f"{key}.archive", "must be the lowercase hex sha256 of an uploaded archive")
+    src = entry["src"]
+    if not isinstance(src, str) or (src and not _is_relative(src)):
+        raise bad(f"{key}.src", "must be '' or a relative path inside the archive (no '..')")
+    dest = entry["dest"]
+    if not isinstance(dest, str) or not dest or not _is_relative(dest.lstrip("/") or "."):
+        raise bad(f"{key}.dest", "must be a path (absolute, or relative to workdir) without '..'")
+    owner = entry["owner"]
+    if not isinstance(owner, str) or (owner and not _OWNER.fullmatch(owner)):
+        raise bad(f"{key}.owner", "must be '' or user[:group]")
+    if not isinstance(entry["mode"], str) or (entry["mode"] and not _MODE.fullmatch(entry["mode"])):
+        raise bad(f"{key}.mode", "must be '' or four octal digits such as 0755")
+    if entry["workdir"] != "":
+        check_abs_path(entry["workdir"], f"{key}.workdir")
+    if entry["user"] != "":
+        check_user(entry["user"], f"{key}.user")
+
+
+def _is_relative(path: str) -> bool:
+    parts = PurePosixPath(path).parts
+    return (not path.startswith("/") and ".." not in parts and len(path) <= 1024
+            and not any(ord(c) < 0x20 or c == "\x7f" for c in path))
+
+
+def run_commands(spec: dict[str, Any]) -> list[str]:
+    """The shell commands of ``spec``'s ``run`` (its copies left out)."""
+    return [c for c in spec.get("run") or [] if isinstance(c, str)]
 
 
 def _check_start(start: Any) -> None:
@@ -294,8 +338,8 @@ def resolve_base(spec: dict[str, Any], base_spec: dict[str, Any], digest: str) -
 # -- build steps from instruction lists (Dockerfiles, E2B's template SDK) ---------------------------
 
 
-def with_instructions(spec: dict[str, Any], *, run: list[str], env: dict[str, str], workdir: str | None,
-                      user: str | None, start: dict[str, Any] | None) -> dict[str, Any]:
+def with_instructions(spec: dict[str, Any], *, run: Sequence[str | dict[str, str]], env: dict[str, str],
+                      workdir: str | None, user: str | None, start: dict[str, Any] | None) -> dict[str, Any]:
     """``spec`` with what a list of instructions (a Dockerfile's, E2B's SDK's) came to, the empty
     ones left out (an empty key would change the digest of the same template)."""
     for key, value in (("run", run), ("env", env), ("workdir", workdir), ("user", user), ("start", start)):
