@@ -73,7 +73,7 @@ async def upload_link(template_id: str, files_hash: str, request: Request, who: 
     expires = int(time.time()) + URL_TTL
     url = (f"{str(request.base_url).rstrip('/')}/templates/files/{files_hash}"
            f"?expires={expires}&signature={_signature(st.secret, files_hash, expires)}")
-    return json_body({"present": present, "url": url})
+    return json_body({"present": present, "url": url}, 201)
 
 
 @router.put("/templates/files/{files_hash}")

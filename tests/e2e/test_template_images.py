@@ -14,7 +14,9 @@ Aspects:
   template (same digest, nothing rebuilt)
 - an image that cannot run SPACE's guest daemon (no python) fails its build with a message saying so
 - E2B's own SDK: ``Template().from_image(...)`` with ENV, WORKDIR, RUN and USER, ``Template.build``
-  and ``Template.exists``, then ``Sandbox.create`` of it; a failing RUN and a COPY fail the build
+  and ``Template.exists``, then ``Sandbox.create`` of it; a failing RUN fails the build
+- E2B's ``Template().copy(...)`` from a build context (links, a relative destination, owner and
+  mode), in order among RUN steps; the same files again are not uploaded again
 - a registry the operator did not list is refused before anything is pulled
 - a Dockerfile through the CLI: FROM that image, COPY, RUN in the ENV/WORKDIR/USER before it, CMD
   started at boot; a sandbox of it has it all
@@ -32,6 +34,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -195,11 +198,53 @@ def test_e2b_sdk_template_build_from_the_image_then_a_sandbox_of_it(
     # SPACE's own templates are not E2B's to rebuild.
     with pytest.raises(Exception, match="configured on this server"):
         e2b.Template.build(e2b.Template().from_image(image), "base")
-    # A step that fails fails the build, with its output; COPY is refused by name.
+    # A step that fails fails the build, with its output.
     with pytest.raises(e2b.BuildException, match="exit 3"):
         e2b.Template.build(e2b.Template().from_image(image).run_cmd("echo about to fail; exit 3"), "e2b-broken")
-    with pytest.raises(Exception, match="COPY is not supported"):
-        e2b.Template.build(e2b.Template().from_image(image).copy(Path(__file__).name, "/tmp/x.py"), "e2b-copy")
+
+
+def test_e2b_sdk_copy_from_the_build_context(server: Server, monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """E2B's ``Template().copy(...)``: the SDK uploads the files by their hash to the URL the facade
+    signs, the build places them in order among the RUN steps (links kept, owner and mode set), and
+    a second build of the same files skips the upload."""
+    e2b = pytest.importorskip("e2b")
+    from tests.e2e import e2b_env
+
+    e2b_env.point_sdk_at(monkeypatch, server)
+    ctx = tmp_path / "context"
+    folder = ctx / "folder"
+    folder.mkdir(parents=True)
+    (folder / "test.txt").write_text("This is a test file.\n")
+    os.symlink("test.txt", folder / "symlink.txt")
+    os.symlink(str(folder / "test.txt"), folder / "symlink2.txt")  # absolute: kept as it is
+    os.symlink("12345test.txt", folder / "symlink3.txt")  # leads nowhere: kept too
+    (ctx / "tool.py").write_text("print('tool ran')\n")
+
+    def template() -> Any:
+        return (e2b.Template(file_context_path=str(ctx)).from_template("base")
+                .set_workdir("/app")
+                .copy("folder/*", "folder")
+                .run_cmd("cat folder/symlink.txt > copied-then-read")
+                .copy("tool.py", "/opt/tool/", user="user", mode=0o755)
+                .set_user("user")
+                .run_cmd("stat -c '%U %a' /opt/tool/tool.py > /home/user/tool-stat"))
+
+    logs: list[str] = []
+    e2b.Template.build(template(), "e2b-copy", on_build_logs=lambda e: logs.append(e.message))
+    assert any(line.startswith("Uploaded 'folder/*'") for line in logs), logs[-30:]
+    sbx = e2b.Sandbox.create("e2b-copy")
+    try:
+        r = sbx.commands.run("cat /app/copied-then-read; cat /home/user/tool-stat; python3 /opt/tool/tool.py; "
+                             "readlink /app/folder/symlink2.txt /app/folder/symlink3.txt; ls -A /app/folder")
+        assert r.stdout.splitlines() == [
+            "This is a test file.", "user 755", "tool ran", str(folder / "test.txt"), "12345test.txt",
+            "symlink.txt", "symlink2.txt", "symlink3.txt", "test.txt"], r.stdout
+    finally:
+        sbx.kill()
+    logs.clear()
+    e2b.Template.build(template(), "e2b-copy", on_build_logs=lambda e: logs.append(e.message))
+    assert any("Skipping upload of 'folder/*', already cached" in line for line in logs), logs[-30:]
 
 
 def test_a_dockerfile_through_the_cli(server: Server, api: httpx.Client, buildah: Buildah, registry: str,
