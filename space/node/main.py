@@ -22,7 +22,7 @@ from space.node import leaving, membership
 from space.node.api.app import create_node_app
 from space.node.helper.backend import InProcess, Privileged
 from space.node.helper.launch import HelperProcess
-from space.node.helper.verbs import GatewayConfig, HelperContext
+from space.node.helper.verbs import DEFAULT_BUILD_MAX_BYTES, GatewayConfig, HelperContext
 from space.node.membership import JoinSettings, NodeTLSFiles
 from space.node.network import build_net
 from space.node.network.egress import Egress
@@ -113,6 +113,10 @@ class NodeSettings:
     #: root helper pulls from no other.
     build_registries: tuple[str, ...] = dataclasses.field(
         default_factory=lambda: build_net.env_list("SPACE_BUILD_REGISTRIES"))
+    #: What one template build may write (``$SPACE_BUILD_MAX_BYTES``, bytes; default 32 GiB): the
+    #: root helper holds each build tree to it with the pool's quota.
+    build_max_bytes: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("SPACE_BUILD_MAX_BYTES") or DEFAULT_BUILD_MAX_BYTES))
     #: The deployment's sandbox address range (``--sandbox-network``); this node takes a /20 of it.
     sandbox_network: str = DEFAULT_SANDBOX_NETWORK
     #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
@@ -280,7 +284,7 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                          guest_dir=guest_dir(settings.data_dir), gateway_ports=GatewayPorts().as_tuple(),
                          gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors,
-                         registries=settings.build_registries,
+                         registries=settings.build_registries, build_max_bytes=settings.build_max_bytes,
                          sandbox_network=parse_sandbox_network(settings.sandbox_network))
 
 

@@ -133,3 +133,25 @@ async def test_roots_together_never_take_the_reserve(pool: Pool, template: Path)
     assert fill(y / "after-delete", 64) == (64 * MIB, None)
     commit(pool)
     assert (await pool.usage())["free_bytes"] >= RESERVE - 64 * MIB
+
+
+async def test_a_build_tree_is_held_to_the_build_bound(pool: Pool) -> None:
+    """A template build's tree (``template.begin``) is born with the node's build bound: an image
+    layer bomb or a step that fills the disk fails that build with EDQUOT, and the pool keeps room."""
+    from space.node.helper.backend import InProcess
+    from space.node.helper.verbs import HelperContext
+    from space.node.templates.store import DEFAULT_CACHE_DIR
+
+    priv = InProcess(HelperContext(data_dir=pool.data_dir, cache_dir=DEFAULT_CACHE_DIR, pool_root=pool.root,
+                                   build_max_bytes=64 * MIB))
+    work = "tmp/build-bomb@0123456789abcdef"
+    await priv.call("template.begin", {"work": work})
+    try:
+        written, err = fill(pool.root / work / "bomb", 200)
+        if err is None:  # the usage the limit sees is the last commit's: one more commit, one more write
+            commit(pool)
+            more, err = fill(pool.root / work / "more", 200)
+            written += more
+        assert err == errno.EDQUOT and written <= 96 * MIB, (written, err)
+    finally:
+        await pool.delete_subvolume(pool.root / work)

@@ -198,6 +198,19 @@ async def work(btrfs_pool: Pool, priv: InProcess) -> AsyncIterator[tuple[str, Pa
     await btrfs_pool.delete_subvolume(path)
 
 
+async def test_an_image_larger_than_a_build_may_be_is_not_pulled(btrfs_pool: Pool, work: tuple[str, Path],
+                                                                 registry: str, tmp_path: Path) -> None:
+    rel, root = work
+    image = push(tmp_path, registry, "test/too-big", [[Entry("blob", data=os.urandom(64 << 10))]], {})
+    small = InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                    pool_root=btrfs_pool.root, registries=(f"http://{registry}",),
+                                    build_max_bytes=16 << 10))
+    with pytest.raises(RuntimeFailure, match=r"compressed; a template build on this node may be at most 16384"):
+        await small.call("template.oci", {"work": rel, "image": image})
+    assert os.listdir(root) == []  # nothing pulled, nothing unpacked
+    assert not list((btrfs_pool.data_dir / "build-bundles").glob("oci-*"))
+
+
 class Lines(list[str]):
     async def __call__(self, line: str) -> None:
         self.append(line)

@@ -28,7 +28,7 @@ from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
 from space.errors import InvalidRequest
 from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
-from space.node.helper.verbs import GatewayConfig, HelperContext
+from space.node.helper.verbs import DEFAULT_BUILD_MAX_BYTES, GatewayConfig, HelperContext
 from space.runtime import cgroups
 
 PR_SET_PDEATHSIG = 1
@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", action="append", default=[], type=_registry,
                    help="a container registry template builds may pull images from, https://host[:port] "
                         "(http:// for one without TLS; repeatable; default none)")
+    p.add_argument("--build-max-bytes", type=_positive, default=DEFAULT_BUILD_MAX_BYTES,
+                   help="what one template build may write into its tree, in bytes (default 32 GiB)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit with this process (the node agent that started the helper)")
     p.add_argument("--stop-fd", type=int, default=None,
@@ -105,6 +107,12 @@ def _registry(value: str) -> str:
     return value.rstrip("/")
 
 
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of bytes: {value}")
+    return int(value)
+
+
 def _gateway(value: str) -> GatewayConfig:
     try:
         return GatewayConfig.from_json(json.loads(value))
@@ -130,6 +138,7 @@ async def _main(args: argparse.Namespace) -> None:
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
                         agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
                         registries=tuple(args.registry), sandbox_network=args.sandbox_network,
+                        build_max_bytes=args.build_max_bytes,
                         # once, at the start: a host whose cgroups cannot hold sandboxes stops here
                         cgroups=cgroups.host())
     stop = asyncio.Event()

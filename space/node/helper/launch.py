@@ -90,6 +90,7 @@ class HelperProcess:
             argv += ["--mirror", mirror]
         for registry in c.registries:
             argv += ["--registry", registry]
+        argv += ["--build-max-bytes", str(c.build_max_bytes)]
         return argv
 
     async def start(self, *, timeout: float = 30.0) -> HelperClient:

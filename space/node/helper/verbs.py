@@ -18,7 +18,7 @@ import typing
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK
 from space.errors import InvalidRequest
@@ -27,6 +27,10 @@ from space.runtime.cgroups import Cgroups
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 LineSink = Callable[[str], Awaitable[None]]
+
+
+#: A build's bound unless the operator sets one (``$SPACE_BUILD_MAX_BYTES``).
+DEFAULT_BUILD_MAX_BYTES: Final = 32 << 30
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ class HelperContext:
     #: The container registries template builds may pull images from, ``https://host[:port]``
     #: (``http://`` for one without TLS); empty: none.
     registries: tuple[str, ...] = ()
+    #: What one template build may write into its tree (an image's layers unpacked, its steps),
+    #: held by the pool's quota on the build's subvolume; an image whose layers are larger than
+    #: this (compressed) is refused before it is pulled.
+    build_max_bytes: int = DEFAULT_BUILD_MAX_BYTES
     #: The deployment's sandbox address range; this node takes a /20 of it (net.setup).
     sandbox_network: ipaddress.IPv4Network = field(
         default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SANDBOX_NETWORK))

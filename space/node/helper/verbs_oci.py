@@ -195,7 +195,9 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
                     tail.append(text)
                     await call.line(text)
 
-                await _pull(stage, args.image, scheme, _auth_file(stage, call), line, tail)
+                auth = _auth_file(stage, call)
+                await _check_size(args.image, m["digest"], scheme, auth, ctx.build_max_bytes)
+                await _pull(stage, args.image, scheme, auth, line, tail)
                 manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
                 await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
                 await _unpack(fd, stage, line, tail)
@@ -213,6 +215,29 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
     return {"digest": m["digest"], "layers": len(manifest["layers"]),
             "bytes": sum(int(layer.get("size", 0)) for layer in manifest["layers"]),
             "config": image_defaults(config)}
+
+
+async def _check_size(image: str, digest: str, scheme: str, auth: str, limit: int) -> None:
+    """Refuse, before pulling, an image whose layers (as its manifest declares them, compressed)
+    are larger than a build may be: the staging directory is on the host's disk. skopeo checks
+    each blob against its digest as it pulls, so the manifest is what arrives."""
+    try:
+        raw = await _skopeo_out("inspect", "--raw", f"--tls-verify={'true' if scheme == 'https' else 'false'}",
+                                f"--authfile={auth}", f"docker://{image}", limit=MAX_MANIFEST)
+    except RuntimeFailure as exc:
+        raise RuntimeFailure(f"pulling {image} failed: {exc.message.removeprefix('skopeo inspect failed: ')}",
+                             image=image) from None
+    if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
+        raise RuntimeFailure(f"{image}: the registry answered a manifest of another digest")
+    manifest = _loads(raw, "manifest")
+    blobs = [*(manifest.get("layers") or []), manifest.get("config") or {}]
+    sizes = [b.get("size") if isinstance(b, dict) else None for b in blobs]
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
+        raise RuntimeFailure(f"{image}: its manifest does not say the size of every layer")
+    total = sum(s for s in sizes if isinstance(s, int))
+    if total > limit:
+        raise RuntimeFailure(f"{image} is {total} bytes compressed; a template build on this node may be at most "
+                             f"{limit} bytes ($SPACE_BUILD_MAX_BYTES)", image=image, bytes=total, limit=limit)
 
 
 def _staging(ctx: HelperContext) -> str:

@@ -218,6 +218,22 @@ async def pool_quota(ctx: HelperContext, args: QuotaArgs, call: Call) -> dict[st
     return await asyncio.to_thread(_enable_quotas, pool_root_of(ctx), args.reserve_bytes, args.enable)
 
 
+def limit_subvolume(pool: PoolRoot, fd: int, limit: int) -> bool:
+    """Hold the subvolume open at ``fd`` to ``limit`` bytes of its own writes (False: quotas are
+    off in this pool, nothing holds it)."""
+    qgroup = ioc.qgroup_id(0, ioc.subvolume_id(fd))
+    top = openat2(pool.fd, ".", _DIR, CONFINED)  # as _limit does: not through the subvolume itself
+    try:
+        ioc.qgroup_limit(top, qgroup, limit)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTCONN, errno.ENOENT, errno.EINVAL):
+            return False
+        raise
+    finally:
+        os.close(top)
+    return True
+
+
 def _limit(root: Path, rel: str, limit: int | None) -> None:
     with PoolRoot.open(root) as pool:
         with pool.resolve(rel) as r:

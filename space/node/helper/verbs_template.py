@@ -163,6 +163,11 @@ def _begin(ctx: HelperContext, work: str, base: str | None) -> None:
                 os.setxattr(fd, BUILD_XATTR, token)
                 if src is None:
                     os.fchmod(fd, 0o755)
+                # What the build writes (an image unpacked, its steps) is bounded by the pool's quota,
+                # so a layer bomb or a step that fills the disk fails this build, not the node.
+                if not verbs_pool.limit_subvolume(pool, fd, ctx.build_max_bytes):
+                    log.warning("template.build_unbounded", work=work,
+                                reason="quotas are off in the pool: only the disk bounds this build")
             finally:
                 os.close(fd)
         finally:
