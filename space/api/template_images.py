@@ -17,7 +17,7 @@ from typing import Any
 from space.api.state import AppState
 from space.controller.registry_auth import registry_logins
 from space.errors import SpaceError, Unavailable, ValidationFailed
-from space.node.templates.spec import _USER, check_build_fields, is_reference
+from space.node.templates.spec import _USER, canonical_reference, check_build_fields, is_reference
 
 #: What ``[base] image`` may be before it is pinned.
 MAX_REFERENCE = 1024
@@ -26,6 +26,8 @@ MAX_REFERENCE = 1024
 async def pin_image(st: AppState, spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` (an image spec as a request sends it) with its image pinned and its defaults filled."""
     ref = spec.get("image")
+    if isinstance(ref, str):
+        ref = canonical_reference(ref)  # Docker Hub's short names in full
     if not isinstance(ref, str) or len(ref) > MAX_REFERENCE or not is_reference(ref):
         raise ValidationFailed("template spec field 'image' must be registry/repository:tag or "
                                "registry/repository@sha256:<64 hex>", field="image")

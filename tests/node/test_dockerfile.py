@@ -106,12 +106,21 @@ def test_continuations_and_comments() -> None:
     assert logical_lines("FROM base\n# note\nRUN a \\\n  # inside\n  && b\n\n") == [(1, "FROM base"), (3, "RUN a && b")]
 
 
+def test_docker_hub_short_names_are_images() -> None:
+    for text, image in (("FROM ubuntu:24.04", "docker.io/library/ubuntu:24.04"),
+                        ("FROM team/app@sha256:" + "a" * 64, "docker.io/team/app@sha256:" + "a" * 64),
+                        ("FROM localhost:5000/app:1", "localhost:5000/app:1")):
+        assert parse(text, Path("/nonexistent"), name="t").spec["image"] == image
+    assert parse("FROM base", Path("/nonexistent"), name="t").spec["base_template"] == "base"
+
+
 @pytest.mark.parametrize(("text", "line", "message"), [
     ("FROM base\nHEALTHCHECK CMD true", 2, "HEALTHCHECK is not an instruction SPACE builds"),
     ("FROM base\nVOLUME /data", 2, "VOLUME is not an instruction"),
     ("FROM base AS build\n", 1, "FROM takes one image or template"),
     ("FROM base\nFROM base", 2, "multi-stage builds are not supported"),
-    ("FROM ubuntu:24.04", 1, "name a SPACE template, or an image with its registry"),
+    ("FROM -bad", 1, "name a SPACE template, or an image"),
+    ("FROM Ubuntu:24.04", 1, r"an image is \[registry/\]repository:tag"),
     ("RUN true\nFROM base", 1, "RUN before FROM"),
     ("FROM base\nCOPY --chown=user app /app", 2, "--chown is not supported"),
     ("FROM base\nCOPY --from=build /a /b", 2, "--from is not supported"),

@@ -316,6 +316,26 @@ async def test_a_hostile_layer_writes_nothing_outside_the_tree(
         assert os.lstat(root / "hl").st_ino != os.lstat("/etc/passwd").st_ino
 
 
+async def test_a_mirror_serves_docker_hubs_names(btrfs_pool: Pool, work: tuple[str, Path], registry: str,
+                                                tmp_path: Path) -> None:
+    """``docker.io=URL``: an image named ``docker.io/library/...`` (``ubuntu:22.04`` in full) is
+    asked for and pulled at the mirror, and keeps its own name; without the mirror, docker.io is
+    not a registry this node pulls from."""
+    rel, root = work
+    pushed = push(tmp_path, registry, "library/ubuntu", [[Entry("etc-issue", data=b"mirrored\n")]], {"Env": ["M=1"]})
+    digest = pushed.rpartition("@")[2]
+    mirrored = InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                       pool_root=btrfs_pool.root, registries=(f"docker.io=http://{registry}",)))
+    res = await mirrored.call("image.inspect", {"image": "docker.io/library/ubuntu:v1"})
+    assert res["image"] == f"docker.io/library/ubuntu@{digest}" and res["config"]["env"] == ["M=1"]
+    await mirrored.call("template.oci", {"work": rel, "image": res["image"]})
+    assert (root / "etc-issue").read_bytes() == b"mirrored\n"
+    plain = InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                    pool_root=btrfs_pool.root, registries=(f"http://{registry}",)))
+    with pytest.raises(InvalidRequest, match="registry docker.io is not one this node pulls images from"):
+        await plain.call("image.inspect", {"image": "docker.io/library/ubuntu:v1"})
+
+
 def push_index(tmp_path: Path, registry: str, repo: str) -> tuple[str, str]:
     """An index of two platforms (arm64 first) pushed as ``repo:multi``: (its digest, the amd64
     manifest's digest)."""

@@ -100,10 +100,12 @@ def _mirror(value: str) -> str:
 
 
 def _registry(value: str) -> str:
-    from space.node.helper.verbs_oci import REGISTRY_RE
+    from space.node.helper.verbs_oci import MIRROR_RE, REGISTRY_RE
 
-    if REGISTRY_RE.fullmatch(value.rstrip("/")) is None:
-        raise argparse.ArgumentTypeError(f"not an https:// (or http://) registry URL with a host: {value}")
+    mirror = MIRROR_RE.fullmatch(value)
+    if REGISTRY_RE.fullmatch((mirror["url"] if mirror else value).rstrip("/")) is None:
+        raise argparse.ArgumentTypeError(f"not an https:// (or http://) registry URL with a host, nor "
+                                         f"NAME=URL (a mirror for NAME): {value}")
     return value.rstrip("/")
 
 

@@ -52,6 +52,8 @@ OCI_CAP: Final = 3600.0
 REGISTRY_RE: Final = re.compile(r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?)")
 #: A registry as logins name it: ``host[:port]``.
 REGISTRY_HOST_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,252}[a-z0-9])?(?::[0-9]{1,5})?")
+#: A mirror: ``NAME=URL`` (images named ``NAME/...`` pulled from the registry at URL).
+MIRROR_RE: Final = re.compile(rf"(?P<name>{REGISTRY_HOST_RE.pattern})=(?P<url>\S+)")
 #: The largest ``auth`` descriptor read (a few logins).
 MAX_LOGINS: Final = 64 << 10
 #: Bounds on what is read of the pulled image: its index, its manifest, its config.
@@ -88,24 +90,40 @@ class InspectArgs:
     image: str = field(metadata=check(is_reference, "registry/repository:tag or registry/repository@sha256:<64 hex>"))
 
 
-def registries_of(ctx: HelperContext) -> dict[str, str]:
-    """The operator's registries: host[:port] -> scheme."""
-    out: dict[str, str] = {}
+@dataclass(frozen=True)
+class Source:
+    """Where images a registry name names are pulled from: that registry, or its mirror."""
+
+    scheme: str
+    host: str
+
+    @property
+    def tls(self) -> str:
+        return "true" if self.scheme == "https" else "false"
+
+
+def registries_of(ctx: HelperContext) -> dict[str, Source]:
+    """The operator's registries: ``https://host[:port]`` (``http://``: without TLS), or
+    ``NAME=URL``, a mirror: images named ``NAME/...`` (``docker.io``: Docker Hub's) are pulled
+    from the registry at URL. The digest pins the content wherever it comes from; a mirror gets
+    no login meant for NAME (logins are per host)."""
+    out: dict[str, Source] = {}
     for entry in ctx.registries:
-        m = REGISTRY_RE.fullmatch(entry.rstrip("/"))
+        mirror = MIRROR_RE.fullmatch(entry)
+        m = REGISTRY_RE.fullmatch((mirror["url"] if mirror else entry).rstrip("/"))
         if m is not None:
-            out[m["host"]] = m["scheme"]
+            out[mirror["name"] if mirror else m["host"]] = Source(m["scheme"], m["host"])
     return out
 
 
-def _scheme(ctx: HelperContext, registry: str) -> str:
+def _source(ctx: HelperContext, registry: str) -> Source:
     allowed = registries_of(ctx)
-    scheme = allowed.get(registry)
-    if scheme is None:
+    source = allowed.get(registry)
+    if source is None:
         raise InvalidRequest(f"registry {registry} is not one this node pulls images from "
                              f"({', '.join(sorted(allowed)) or 'none: the operator lists them with --registry'})",
                              registry=registry)
-    return scheme
+    return source
 
 
 @verb("image.inspect", InspectArgs, cap=120, fds=("auth",))
@@ -114,18 +132,20 @@ async def image_inspect(ctx: HelperContext, args: InspectArgs, call: Call) -> di
     (an index of platforms is resolved to its linux/amd64 entry), and its config's defaults."""
     m = REFERENCE_RE.fullmatch(args.image)
     assert m is not None
-    tls = f"--tls-verify={'true' if _scheme(ctx, m['registry']) == 'https' else 'false'}"
+    source = _source(ctx, m["registry"])
     stage = _staging(ctx)
     try:
         auth = f"--authfile={_auth_file(stage, call)}"
-        return await _inspect(args.image, m, tls, auth)
+        return await _inspect(args.image, m, source, auth)
     finally:
         await asyncio.to_thread(shutil.rmtree, stage, True)
 
 
-async def _inspect(image: str, m: re.Match[str], tls: str, auth: str) -> dict[str, Any]:
-    repo = f"{m['registry']}/{m['repository']}"
-    ref = f"{repo}@{m['digest']}" if m["digest"] else f"{repo}:{m['tag']}"
+async def _inspect(image: str, m: re.Match[str], source: Source, auth: str) -> dict[str, Any]:
+    repo = f"{m['registry']}/{m['repository']}"  # the name the template keeps
+    at = f"{source.host}/{m['repository']}"  # where it is asked for
+    tls = f"--tls-verify={source.tls}"
+    ref = f"{at}@{m['digest']}" if m["digest"] else f"{at}:{m['tag']}"
     for _ in range(2):  # the reference, then (an index) its platform's entry
         raw = await _skopeo_out("inspect", "--raw", tls, auth, f"docker://{ref}", limit=MAX_MANIFEST)
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
@@ -140,13 +160,13 @@ async def _inspect(image: str, m: re.Match[str], tls: str, auth: str) -> dict[st
                    and isinstance(e.get("digest"), str) and re.fullmatch(r"sha256:[0-9a-f]{64}", e["digest"])]
         if not entries:
             raise RuntimeFailure(f"{image} has no linux/amd64 image", image=image)
-        ref = f"{repo}@{entries[0]['digest']}"
+        ref = f"{at}@{entries[0]['digest']}"
         found = REFERENCE_RE.fullmatch(ref)
         assert found is not None
         m = found
     else:
         raise RuntimeFailure(f"{image}: an index of platforms inside an index")
-    config = _loads(await _skopeo_out("inspect", "--config", tls, auth, f"docker://{repo}@{digest}",
+    config = _loads(await _skopeo_out("inspect", "--config", tls, auth, f"docker://{at}@{digest}",
                                       limit=MAX_CONFIG), "config")
     return {"image": f"{repo}@{digest}", "config": image_defaults(config)}
 
@@ -178,7 +198,8 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
     failure raises with their tail). Returns the image's digest, layer count and config."""
     m = IMAGE_RE.fullmatch(args.image)
     assert m is not None  # checked by the argument parser
-    scheme = _scheme(ctx, m["registry"])
+    source = _source(ctx, m["registry"])
+    pulled = f"{source.host}/{m['repository']}@{m['digest']}"  # the image, or the same digest on its mirror
     with _exclusive(args.work):
         fd = await asyncio.to_thread(_open_work, ctx, args.work, "empty")
         build = _BUILDS[args.work]
@@ -196,8 +217,8 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
                     await call.line(text)
 
                 auth = _auth_file(stage, call)
-                await _check_size(args.image, m["digest"], scheme, auth, ctx.build_max_bytes)
-                await _pull(stage, args.image, scheme, auth, line, tail)
+                await _check_size(pulled, m["digest"], source, auth, ctx.build_max_bytes)
+                await _pull(stage, pulled, source, auth, line, tail)
                 manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
                 await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
                 await _unpack(fd, stage, line, tail)
@@ -217,12 +238,12 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
             "config": image_defaults(config)}
 
 
-async def _check_size(image: str, digest: str, scheme: str, auth: str, limit: int) -> None:
+async def _check_size(image: str, digest: str, source: Source, auth: str, limit: int) -> None:
     """Refuse, before pulling, an image whose layers (as its manifest declares them, compressed)
     are larger than a build may be: the staging directory is on the host's disk. skopeo checks
     each blob against its digest as it pulls, so the manifest is what arrives."""
     try:
-        raw = await _skopeo_out("inspect", "--raw", f"--tls-verify={'true' if scheme == 'https' else 'false'}",
+        raw = await _skopeo_out("inspect", "--raw", f"--tls-verify={source.tls}",
                                 f"--authfile={auth}", f"docker://{image}", limit=MAX_MANIFEST)
     except RuntimeFailure as exc:
         raise RuntimeFailure(f"pulling {image} failed: {exc.message.removeprefix('skopeo inspect failed: ')}",
@@ -250,10 +271,10 @@ def _staging(ctx: HelperContext) -> str:
     return str(stage)
 
 
-async def _pull(stage: str, image: str, scheme: str, auth: str, line: privileged.LineCallback,
+async def _pull(stage: str, image: str, source: Source, auth: str, line: privileged.LineCallback,
                 tail: deque[str]) -> None:
     argv = ["skopeo", "--policy", f"{stage}/policy.json", "copy", "--quiet", "--preserve-digests",
-            "--retry-times", "2", f"--src-tls-verify={'true' if scheme == 'https' else 'false'}",
+            "--retry-times", "2", f"--src-tls-verify={source.tls}",
             f"--src-authfile={auth}",
             f"docker://{image}", f"oci:{stage}/layout:{TAG}"]
     rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV)

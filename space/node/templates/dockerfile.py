@@ -4,9 +4,10 @@
 
 One stage, these instructions; anything else is refused with its line number:
 
-- ``FROM registry/repository[:tag|@digest]``: a template from that container image (the control
-  plane pins it and takes its config's defaults); ``FROM <template>`` (a SPACE template's name, no
-  ``/``): derived from it. ``ARG`` values before it may be used in it.
+- ``FROM [registry/]repository[:tag|@digest]``: a template from that container image (the control
+  plane pins it and takes its config's defaults; a name without a registry host is Docker Hub's,
+  ``python:3.12`` is ``docker.io/library/python:3.12``); ``FROM <template>`` (a SPACE template's
+  name: no ``/``, tag or digest): derived from it. ``ARG`` values before it may be used in it.
 - ``RUN`` (shell or JSON form): a build step, run with ``/bin/sh -c`` in the environment, working
   directory and user the instructions before it set, as a Dockerfile's are (:func:`in_context`).
 - ``COPY`` / ``ADD`` of files and directories of the build context (the Dockerfile's directory unless
@@ -39,6 +40,7 @@ from space.node.templates.spec import (
     ParsedTemplate,
     _files,
     _mode,
+    canonical_reference,
     check_build_fields,
     check_user,
     in_context,
@@ -230,16 +232,17 @@ def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | N
 
 
 def _from(spec: dict[str, Any], ref: str, line: int) -> None:
-    if "/" not in ref:
+    if not any(c in ref for c in "/:@"):
         try:
             spec["base_template"] = check_name(ref, "template name")
         except SpaceError:
             raise _bad(line, f"FROM {ref[:80]!r}: name a SPACE template, or an image with its registry "
                              "(registry.example.com/team/app:1; nodes pull from their operator's registries)") from None
         return
-    if not is_reference(ref):
-        raise _bad(line, f"FROM {ref[:80]!r}: an image is registry/repository:tag or registry/repository@sha256:...")
-    spec["image"] = ref
+    if not is_reference(canonical_reference(ref)):
+        raise _bad(line, f"FROM {ref[:80]!r}: an image is [registry/]repository:tag or "
+                         "[registry/]repository@sha256:...")
+    spec["image"] = canonical_reference(ref)
 
 
 def _copy(keyword: str, rest: str, workdir: str | None, line: int, context: Path) -> list[dict[str, Any]]:

@@ -113,6 +113,16 @@ REFERENCE_RE: Final = re.compile(
     + r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
 
 
+def canonical_reference(ref: str) -> str:
+    """``ref`` named in full as Docker names it: a reference whose first component is not a
+    registry host (no ``.`` or ``:``, not ``localhost``) is Docker Hub's, ``ubuntu:22.04`` ->
+    ``docker.io/library/ubuntu:22.04``, ``team/app:1`` -> ``docker.io/team/app:1``."""
+    first, slash, _ = ref.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return ref
+    return f"docker.io/{ref}" if slash else f"docker.io/library/{ref}"
+
+
 def is_reference(value: object) -> bool:
     """Whether ``value`` names an image by tag or digest (``registry/repository:tag``, ``@sha256:``)."""
     m = REFERENCE_RE.fullmatch(value) if isinstance(value, str) else None
@@ -182,7 +192,7 @@ def check_build_fields(spec: dict[str, Any]) -> None:
             if isinstance(c, dict):
                 check_copy(c, f"run[{i}]")
             elif not isinstance(c, str) or not c.strip() or "\x00" in c:
-                raise bad(f"run[{i}]", "must be a non-empty shell command or a copy {archive, src, dest, ...}")
+                raise bad("run", f"entry {i} must be a non-empty shell command or a copy {{archive, src, dest, ...}}")
     files = spec.get("files")
     if files is not None:
         if not isinstance(files, list):
@@ -419,7 +429,7 @@ def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -
     if "image" in base:
         if set(base) != {"image"}:
             raise bad("base", "with image takes no suite, mirror or packages")
-        ref = base["image"]
+        ref = canonical_reference(base["image"]) if isinstance(base["image"], str) else base["image"]
         if not is_reference(ref):
             raise bad("base.image", "must be registry/repository:tag or registry/repository@sha256:<64 hex>")
         spec["image"] = ref  # the control plane pins it (and takes the image's defaults)
