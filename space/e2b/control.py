@@ -43,7 +43,10 @@ from space.store import Operation, Sandbox
 log = structlog.get_logger("space.e2b.control")
 
 #: The envd version SPACE's facade implements (the SDK switches code paths on it; E2B_COMPAT C.5).
-ENVD_VERSION: Final = "0.5.7"
+#: What SDKs gate on: 0.6.3's entries in watch events and 0.6.4's ``allow_network_mounts`` (no
+#: network mounts here: watching is the same) are served; 0.6.2's file metadata is refused by name
+#: (space.e2b.files: the sandbox filesystem has no extended attributes to keep it in).
+ENVD_VERSION: Final = "0.6.4"
 CLIENT_ID: Final = "space"
 DEFAULT_TIMEOUT: Final = 300
 MAX_TIMEOUT: Final = 30 * 86400

@@ -83,6 +83,13 @@ class Refused(Exception):
 # -- auth ---------------------------------------------------------------------------------------
 
 
+#: envd 0.6.2's file metadata (``X-Metadata-<key>: <value>``, kept as ``user.e2b.<key>`` xattrs).
+METADATA_HEADER: Final = "x-metadata-"
+METADATA_REFUSED: Final = ("file metadata (X-Metadata-* headers) is not supported by SPACE: the sandbox's filesystem "
+                           "(gVisor's gofer) refuses extended attributes, so there is nowhere to keep it; nothing "
+                           "was written")
+
+
 def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
     raw = f"{path}:{operation}:{user}:{token}" + (f":{expiration}" if expiration is not None else "")
     return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
@@ -444,6 +451,8 @@ async def upload(request: Request) -> Response:
     try:
         t = await files_target(st, request, "write")
         who = await actor(st, t.sandbox, _user(request, t))
+        if any(name.startswith(METADATA_HEADER) for name in request.headers):
+            raise Refused(400, METADATA_REFUSED)
         body = _Body(request)
         ctype = request.headers.get("content-type", "")
         media, opts = parse_options_header(ctype)

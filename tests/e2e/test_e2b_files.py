@@ -1,5 +1,6 @@
 """The official E2B SDK's filesystem against SPACE: read, write, list, info, exists, make_dir, remove,
-rename, gzip both ways, signed URLs, health, watchers.
+rename, gzip both ways, signed URLs, health, watchers (with entries: envd 0.6.3), file metadata
+refused by name (envd 0.6.2: no extended attributes in the sandbox's filesystem).
 
 Mirrors E2B's own ``packages/python-sdk/tests/{sync,async}/sandbox_*/files``. One sandbox serves the
 module (each test works in names of its own); the async tests connect to it with ``AsyncSandbox``.
@@ -443,6 +444,41 @@ def test_watch_recursive_and_errors(sbx: Sandbox) -> None:
         handle.stop()
     with pytest.raises(FileNotFoundException):
         sbx.files.watch_dir(fresh("missing_dir"))
+
+
+def test_watch_with_entries_and_network_mounts_through_the_sdk(sbx: Sandbox) -> None:
+    """envd 0.6.3 and 0.6.4 as E2B's own tests use them: ``include_entry`` gives each event the entry
+    of the path that changed, and ``allow_network_mounts`` watches a directory as without it."""
+    d = fresh("watch_sdk_entry")
+    sbx.files.make_dir(d)
+    sbx.files.write(f"{d}/w.txt", "first")
+    for kwargs in ({"include_entry": True}, {"allow_network_mounts": True}):
+        handle = sbx.files.watch_dir(d, **kwargs)
+        try:
+            sbx.files.write(f"{d}/w.txt", f"changed {kwargs}")
+            seen: list[FilesystemEvent] = []
+
+            def wrote() -> bool:
+                seen.extend(handle.get_new_events())
+                return any(e.type == FilesystemEventType.WRITE and e.name == "w.txt" for e in seen)
+
+            wait_for(wrote, 30, f"a write event with {kwargs}")
+            write = next(e for e in seen if e.type == FilesystemEventType.WRITE)
+            if kwargs.get("include_entry"):
+                assert write.entry is not None and write.entry.path == f"{HOME}/{d}/w.txt"
+                assert write.entry.name == "w.txt" and write.entry.type == FileType.FILE
+        finally:
+            handle.stop()
+
+
+def test_file_metadata_is_refused_by_name(sbx: Sandbox) -> None:
+    """envd 0.6.2's file metadata has nowhere to live here (the sandbox filesystem refuses extended
+    attributes): a write that carries it is refused with that reason, and writes nothing."""
+    name = fresh("with_metadata.txt")
+    with pytest.raises(InvalidArgumentException, match="file metadata .* is not supported by SPACE"):
+        sbx.files.write(name, "x", metadata={"author": "mish"})
+    assert not sbx.files.exists(name)
+    assert sbx.files.write(name, "x").name == name.rpartition("/")[2]  # without metadata: written
 
 
 def test_watch_include_entry_on_the_wire(sbx: Sandbox, server: Server) -> None:

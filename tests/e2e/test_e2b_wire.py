@@ -44,7 +44,7 @@ def test_older_sdk_paths_and_status_codes(e2b_api: httpx.Client) -> None:
     sid = body["sandboxID"]
     try:
         assert {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"} <= body.keys()
-        assert body["envdVersion"] == "0.5.7"
+        assert body["envdVersion"] == "0.6.4"
         assert sid in [s["sandboxID"] for s in e2b_api.get("/sandboxes").json()]
         assert e2b_api.post(f"/sandboxes/{sid}/connect", json={"timeout": 120}).status_code == 200
         assert e2b_api.post(f"/sandboxes/{sid}/resume", json={"timeout": 60}).status_code == 409
