@@ -17,8 +17,11 @@ the body to come: uvicorn reads and discards it, without end. Closing at once wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+import socket
+import struct
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -28,6 +31,9 @@ HEAD_TIMEOUT = 15.0
 MAX_HEAD = 64 * 1024
 #: Seconds the rest of a body is read (and discarded) after its request was answered.
 LINGER_TIMEOUT = 10.0
+#: The ASGI scope extension (a callable) that ends the request's connection with a TCP reset: what
+#: a client reads as the peer gone mid-response (the E2B facade's streams of a sandbox that died).
+RESET_EXTENSION: Final = "space.reset_connection"
 
 
 
@@ -73,6 +79,9 @@ class BoundedHttp(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
+        extensions[RESET_EXTENSION] = self._reset
+        self.scope["extensions"] = extensions
         self._in_head = True
         self._head_bytes = 0
         self._body_done = False
@@ -116,6 +125,15 @@ class BoundedHttp(HttpToolsProtocol):
         self._head_timer = None
         if self._in_head:
             self._refuse(_TIMEOUT_ANSWER)
+
+    def _reset(self) -> None:
+        """Close the connection with a reset (SO_LINGER 0), not an orderly close: a client reads an
+        orderly close mid-body as a protocol error, a reset as the connection lost."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _refuse(self, answer: bytes) -> None:
         self._cancel_head_timer()

@@ -8,6 +8,7 @@ message, ``{}`` or ``{"error": {...}}``. See ``E2B_COMPAT.md`` C.1.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -15,9 +16,11 @@ from collections.abc import AsyncIterator
 from typing import Any, Final
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from space.errors import SpaceError
+from space.httpserver import RESET_EXTENSION
 
 UNARY_TYPE: Final = "application/json"
 STREAM_TYPE: Final = "application/connect+json"
@@ -70,6 +73,38 @@ class ConnectError(Exception):
 def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
     data = json.dumps(message, separators=(",", ":")).encode()
     return _HEAD.pack(flags, len(data)) + data
+
+
+class DropConnection(Exception):
+    """Raised by a streaming body when the sandbox behind it is gone: the server closes the
+    connection with the stream unfinished, as a dead envd's connection ends. An error frame would
+    be the SDK's "likely a timeout"; a dropped connection makes it ask ``/health``, which says
+    whether the sandbox is gone ("killed or reached its end of life")."""
+
+
+def _is_drop(exc: BaseException) -> bool:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # a task group's wrapping
+        exc = exc.exceptions[0]
+    return isinstance(exc, DropConnection)
+
+
+class DroppableStream(StreamingResponse):
+    """A streamed answer whose body may raise :class:`DropConnection`: the connection is then reset
+    (the server's :data:`~space.httpserver.RESET_EXTENSION`) and nothing more is said or logged.
+    Under a server without the extension the exception goes on, and that server closes the
+    connection its own way."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException as exc:
+            reset = scope.get("extensions", {}).get(RESET_EXTENSION)
+            if not _is_drop(exc) or reset is None:
+                raise
+            reset()
+            # Let the server see the connection lost before this returns (else it would log an
+            # answer left unfinished).
+            await asyncio.sleep(0)
 
 
 def end_of_stream(error: ConnectError | None = None) -> bytes:

@@ -8,12 +8,14 @@ to the E2B control API; everything else is SPACE's own API.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import dataclasses
 import datetime as dt
 import json
 import re
+import time
 from typing import Any, Final
 
 from starlette.requests import HTTPConnection
@@ -41,6 +43,9 @@ _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.(.+?)(?::\d+)?$")
 #: A sandbox in these states is gone for every caller, whatever token it shows (its tokens were
 #: rotated by the delete; the SDK must still learn "not found").
 GONE: Final = (State.TERMINATING, State.TERMINATED)
+#: How long a request for an auto-resuming sandbox waits for its timeout's pause or suspend to be
+#: done before waking it (a pause takes well under a second; a suspend uploads its files first).
+SETTLE_TIMEOUT: Final = 120.0
 
 
 class EdgeError(Exception):
@@ -173,6 +178,10 @@ async def target(st: AppState, request: HTTPConnection, authenticated: Sandbox |
     auto-resumes) and the call count as activity. A missing, ended or paused one (unless it
     auto-resumes) is E2B's 502 "not found"."""
     sb = authenticated if authenticated is not None else await authenticate(st, request)
+    if sb.auto_resume and (sb.state == State.SUSPENDING or timed_out(sb)):
+        # Its timeout is pausing (or suspending) it: wait for that, then wake it below, as E2B's
+        # auto-resume does, rather than answer "not found" for the second it takes.
+        sb = await _settled(st, sb)
     state = State(sb.state)
     if state != State.RUNNING and not (state in WAKE and sb.auto_resume) \
             and state not in (State.RESTORING, State.MOVING):
@@ -188,6 +197,21 @@ async def target(st: AppState, request: HTTPConnection, authenticated: Sandbox |
     # Who the audit names: the sandbox's tenant, acting through the sandbox's envd token.
     request.state.principal = Principal(key_id=ENVD_ACTOR, tenant=sb.tenant, role="member")
     return Target(sb, node, basic_user(request))
+
+
+async def _settled(st: AppState, sb: Sandbox) -> Sandbox:
+    """The sandbox once its timeout's pause or suspend is done (or SETTLE_TIMEOUT passed: then as
+    it is). Polled with backoff: this is the rare request that lands in that second."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    delay = 0.02
+    while (sb.state == State.SUSPENDING or timed_out(sb)) and time.monotonic() < deadline:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
+        try:
+            sb = await st.store.get_sandbox(sb.id)
+        except NotFound:
+            raise EdgeError(sb.id) from None
+    return sb
 
 
 def timed_out(sb: Sandbox) -> bool:

@@ -131,13 +131,14 @@ class CommandStream:
                     # A quiet stream: if the sandbox was paused or went away meanwhile, cut it as
                     # E2B's edge does (a paused sandbox's connections do not survive there either).
                     if not await self._sandbox_running():
-                        yield end_of_stream(ConnectError("unavailable", self._why_ended()))
-                        return
+                        raise connect.DropConnection(self._why_ended()) from None
                     if time.monotonic() - last_keepalive >= self.keepalive:
                         yield _event({"keepalive": {}})
                         last_keepalive = time.monotonic()
                     continue
-                if item is None:
+                if item is None:  # the node's stream ended for good
+                    if not await self._sandbox_running():
+                        raise connect.DropConnection(self._why_ended())
                     yield end_of_stream(ConnectError("unavailable", self._why_ended()))
                     return
                 kind, data = item
@@ -150,7 +151,9 @@ class CommandStream:
                     yield _event({"end": end_event(data.get("exit_code"), data.get("signal"))})
                     yield end_of_stream()
                     return
-                elif kind == "error":
+                elif kind == "error":  # the node lost the command: its sandbox died or went
+                    if not await self._sandbox_running():
+                        raise connect.DropConnection(self._why_ended())
                     yield end_of_stream(ConnectError("unavailable", self._why_ended()))
                     return
         finally:
@@ -208,7 +211,7 @@ class CommandStream:
 
 
 def _stream_response(stream: CommandStream) -> StreamingResponse:
-    return StreamingResponse(stream.envelopes(), media_type=connect.STREAM_TYPE,
+    return connect.DroppableStream(stream.envelopes(), media_type=connect.STREAM_TYPE,
                              headers={"cache-control": "no-store", "x-accel-buffering": "no"})
 
 

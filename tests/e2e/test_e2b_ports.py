@@ -96,6 +96,28 @@ def test_mask_request_host_is_the_host_the_server_sees(made: e2b_env.Sandboxes, 
         assert r.status_code == 422 and "port_host" in r.json()["error"]["message"], r.text
 
 
+def test_port_traffic_waits_out_an_auto_pause(made: e2b_env.Sandboxes, server: Server) -> None:
+    """A sandbox whose timeout pauses it (auto-resume): requests to its port that arrive while the
+    pause is under way wait for it and wake the sandbox, as before and after it; none answers 502
+    "not found" (the second the pause took, before)."""
+    sbx = e2b.Sandbox.create(timeout=4, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    made.add(sbx.sandbox_id)
+    _serve(sbx, server)
+    h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8000"}
+    key = {"authorization": f"Bearer {server.admin_key}"}
+    statuses: list[int] = []
+
+    def woken_after_a_pause() -> bool:
+        statuses.append(httpx.get(f"{server.url}/", headers=h, timeout=120).status_code)
+        events = httpx.get(f"{server.url}/v1/sandboxes/{sbx.sandbox_id}/events", headers=key).json()["events"]
+        kinds = [e["kind"] for e in events]
+        return "paused" in kinds and "resumed" in kinds[kinds.index("paused"):]
+
+    wait_for(woken_after_a_pause, timeout=90, what="the timeout's pause, then a request that woke it")
+    statuses += [httpx.get(f"{server.url}/", headers=h, timeout=120).status_code for _ in range(3)]
+    assert set(statuses) == {200}, statuses
+
+
 def test_private_ports_need_the_traffic_token(made: e2b_env.Sandboxes, server: Server) -> None:
     sbx = e2b.Sandbox.create(network={"allow_public_traffic": False})
     made.add(sbx.sandbox_id)

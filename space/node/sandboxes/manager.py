@@ -152,6 +152,9 @@ class SandboxManager:
         #: Sandboxes removed from here because they now run on another node: streams of theirs
         #: that end say so (``moved``) instead of reporting an error. Bounded: a hint, not a registry.
         self._departed: dict[str, str] = {}
+        #: Sandboxes a delete is removing: a check of one that finds its instance gone records nothing
+        #: (its directory is being moved away).
+        self._deleting: set[str] = set()
         #: Continuous disk backup of the sandboxes the control plane configured (run by the agent).
         self.backups = Backups(self)
         channel_dir.mkdir(parents=True, exist_ok=True)
@@ -471,8 +474,12 @@ class SandboxManager:
                 # Not in memory: maybe a leftover directory from a crash mid-create.
                 await self.pool.delete_subvolume(self._dir(sandbox_id))
                 return
-            await self._destroy(sb, defer=True)
-            self._sandboxes.pop(sandbox_id, None)
+            self._deleting.add(sandbox_id)
+            try:
+                await self._destroy(sb, defer=True)
+                self._sandboxes.pop(sandbox_id, None)
+            finally:
+                self._deleting.discard(sandbox_id)
         self._locks.pop(sandbox_id, None)
 
     async def _destroy(self, sb: LocalSandbox, *, defer: bool = False) -> None:
@@ -575,8 +582,13 @@ class SandboxManager:
             if time.monotonic() >= deadline:
                 return
             await asyncio.sleep(0.1)
+        cause = await self.driver.death_cause(sb.instance_id) or "exited"
+        if sb.id in self._deleting or self._sandboxes.get(sb.id) is not sb:
+            # Being deleted, or deleted, while we asked (a delete kills the instance, then moves
+            # its directory away): there is no record left to mark dead.
+            raise NotFound(f"sandbox {sb.id} is not on this node", sandbox_id=sb.id)
         sb.status = "dead"
-        sb.death = await self.driver.death_cause(sb.instance_id) or "exited"
+        sb.death = cause
         self._save(sb)
         conn = self._guests.pop(sb.id, None)
         if conn is not None:
