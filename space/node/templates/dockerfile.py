@@ -12,6 +12,7 @@ One stage, these instructions; anything else is refused with its line number:
   directory and user the instructions before it set, as a Dockerfile's are (:func:`in_context`).
 - ``COPY`` / ``ADD`` of files and directories of the build context (the Dockerfile's directory unless
   ``--context``): the template's ``files`` (their bytes uploaded by sha256, as a TOML file's are).
+  What the context's ``.dockerignore`` excludes is never sent (:mod:`.dockerignore`).
   SPACE places files before every ``RUN`` step; ``--chmod=0NNN`` sets their mode, other flags
   (``--chown``, ``--from``, ``--link``), wildcards, URLs and archives that ``ADD`` would unpack are
   refused.
@@ -36,6 +37,7 @@ from typing import Any, Final
 
 from space.errors import SpaceError, ValidationFailed
 from space.node.storage.pool import check_name
+from space.node.templates.dockerignore import DockerIgnore
 from space.node.templates.spec import (
     ParsedTemplate,
     _files,
@@ -218,9 +220,10 @@ def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | N
         raise DockerfileError(f"--build-arg {sorted(given)[0]} names no ARG of the Dockerfile", field="build_arg")
     blobs: dict[str, Path] = {}
     if copies:
+        ignore = DockerIgnore.of_context(context)
         try:
             spec["files"] = _files([{k: c[k] for k in ("src", "dest", "mode") if k in c} for c in copies],
-                                   context, blobs)
+                                   context, blobs, ignore.excluded if ignore is not None else None)
         except ValidationFailed as exc:
             line = next((c["line"] for c in copies if str(c["src"]) in exc.message), copies[0]["line"])
             raise _bad(line, exc.message.split("' ", 1)[-1]) from None
