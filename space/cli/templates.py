@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -72,11 +73,11 @@ def build(
         raise errors.ValidationFailed("--builtin, -f/--file and --image exclude each other", field="file")
     if builtin:
         file = builtin_templates.spec_file(name)
-    with client(ctx) as c:
+    with client(ctx) as c, tempfile.TemporaryDirectory(prefix="space-build-") as scratch:
         spec: dict[str, object] | None = {"image": image} if image is not None else None
         if file is not None:
             parsed = (template_spec.load(file, name=name) if file.suffix == ".toml"
-                      else _dockerfile(file, name, context, build_arg or []))
+                      else _dockerfile(file, name, context, build_arg or [], Path(scratch)))
             for sha, path in parsed.blobs.items():
                 if not c.templates.has_blob(sha):
                     output.info(f"uploading {path} ({path.stat().st_size} bytes)")
@@ -88,7 +89,8 @@ def build(
     output.line(digest)
 
 
-def _dockerfile(file: Path, name: str, context: Path | None, build_args: list[str]) -> template_spec.ParsedTemplate:
+def _dockerfile(file: Path, name: str, context: Path | None, build_args: list[str],
+                scratch: Path) -> template_spec.ParsedTemplate:
     args: dict[str, str] = {}
     for given in build_args:
         key, eq, value = given.partition("=")
@@ -99,7 +101,7 @@ def _dockerfile(file: Path, name: str, context: Path | None, build_args: list[st
         text = file.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.ValidationFailed(f"cannot read {file}: {exc}", field="file") from None
-    return dockerfile.parse(text, (context or file.parent).resolve(), name=name, build_args=args)
+    return dockerfile.parse(text, (context or file.parent).resolve(), name=name, build_args=args, scratch=scratch)
 
 
 @app.command()

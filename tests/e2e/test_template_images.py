@@ -18,8 +18,8 @@ Aspects:
 - E2B's ``Template().copy(...)`` from a build context (links, a relative destination, owner and
   mode), in order among RUN steps; the same files again are not uploaded again
 - a registry the operator did not list is refused before anything is pulled
-- a Dockerfile through the CLI: FROM that image, COPY, RUN in the ENV/WORKDIR/USER before it, CMD
-  started at boot; a sandbox of it has it all
+- a Dockerfile through the CLI: FROM that image, COPY (in order among RUNs, --chown), RUN in the
+  ENV/WORKDIR/USER before it, CMD started at boot; a sandbox of it has it all
 - a registry that wants a login: refused without one; with the operator's secret for its host
   (format basic) the image is pinned, pulled and run, the login audited and found nowhere else
   (not in the template, its operation, nor the server's log)
@@ -261,9 +261,11 @@ ARG GREETING=hi
 FROM {image}
 ENV SITE=/srv/site
 WORKDIR $SITE
+RUN mkdir -p /home/user/owned && echo "made by a RUN before the COPY" > /home/user/owned/old.txt
 COPY site/ ./
+COPY --chown=user:user site/index.html /home/user/owned/
 USER user
-RUN echo "$GREETING from $(id -un) in $(pwd)" > /home/user/built
+RUN echo "$GREETING from $(id -un) in $(pwd)" > /home/user/built && ls /home/user/owned >> /home/user/built
 EXPOSE 8000
 CMD ["python3", "-m", "http.server", "8000"]
 """)
@@ -274,10 +276,14 @@ CMD ["python3", "-m", "http.server", "8000"]
     assert len(p.stdout.strip()) == 64
     sid = create_sandbox(api, template="from-dockerfile")
     try:
-        code, out, err = run(api, sid, {"shell": "cat /home/user/built; cat index.html; pwd"})
+        code, out, err = run(api, sid, {"shell": "cat /home/user/built; cat index.html; pwd; "
+                                                 "stat -c '%U %n' /home/user/owned/index.html index.html"})
         assert code == 0, err
-        assert out.decode().splitlines() == ["hello from user in /srv/site", "<h1>from a Dockerfile</h1>",
-                                             "/srv/site"]
+        # COPY in its place among the RUNs (the directory a RUN made before it, the file a RUN after
+        # it listed), --chown's owner, else root's.
+        assert out.decode().splitlines() == [
+            "hello from user in /srv/site", "index.html", "old.txt", "<h1>from a Dockerfile</h1>", "/srv/site",
+            "user /home/user/owned/index.html", "root index.html"]
         # The start command has no readiness check (a Dockerfile has none SPACE takes): wait for it.
         fetch = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read().decode(), end='')"
 

@@ -7,13 +7,14 @@
   substituted where Docker substitutes them; continuation lines and comments
 - EXPOSE and LABEL accepted and ignored
 - refused with the line they are on: an instruction outside the subset, a second FROM, an image
-  without its registry, COPY flags other than --chmod, wildcards, URLs, archives ADD would unpack,
+  without its registry, COPY --from/--link and a numeric --chown, wildcards, URLs, archives ADD would unpack,
   sources outside the context, a numeric USER, a heredoc, a --build-arg no ARG declares
 """
 
 from __future__ import annotations
 
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -62,16 +63,42 @@ CMD ["http.server", "8000"]
     assert spec["env"] == {"APP_HOME": "/srv/app", "GREETING": "hello world", "LEGACY": "legacy value"}
     assert (spec["workdir"], spec["user"]) == ("/srv/app", "user")
     assert spec["start"] == {"cmd": "python3 -m http.server 8000"}
-    files = {f["dest"]: f for f in spec["files"]}
-    assert set(files) == {"/srv/app/requirements.txt", "/srv/app/src/main.py", "/srv/app/src/sub/data.txt",
-                          "/usr/local/bin/run"}
-    assert files["/usr/local/bin/run"]["mode"] == "0700"
-    assert files["/srv/app/src/main.py"]["sha256"] == file_sha256(context / "app" / "main.py")
-    assert set(parsed.blobs) == {f["sha256"] for f in spec["files"]}
-    first, second = spec["run"]
+    assert "files" not in spec
+    steps = spec["run"]
+    assert [type(s) for s in steps] == [dict, dict, dict, str, str]  # COPYs in their place among RUNs
+    copies = [s for s in steps if isinstance(s, dict)]
+    assert [(c["src"], c["dest"], c["owner"], c["mode"]) for c in copies] == [
+        ("requirements.txt", "/srv/app/", "root", ""), ("app", "/srv/app/src/", "root", ""),
+        ("run.sh", "/usr/local/bin/run", "root", "0700")]
+    assert set(parsed.blobs) == {c["archive"] for c in copies}
+    for c in copies:
+        assert file_sha256(parsed.blobs[c["archive"]]) == c["archive"]
+    with tarfile.open(parsed.blobs[copies[1]["archive"]]) as tar:
+        members = tar.getmembers()
+        assert sorted(m.name for m in members) == ["app", "app/main.py", "app/sub", "app/sub/data.txt"]
+        assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and not m.uname for m in members)
+        main = tar.extractfile("app/main.py")
+        assert main is not None and main.read() == b"print('hi')\n"
+    # The same context again: the same archives, so the same template.
+    again = [c["archive"] for c in parse(text, context, name="web").spec["run"] if isinstance(c, dict)]
+    assert again == [c["archive"] for c in copies]
+    first, second = [s for s in steps if isinstance(s, str)]
     assert first.endswith("mkdir -p /srv/app && cd /srv/app\npip install -r requirements.txt")
     assert "export TAG=1.4" in first and "export GREETING='hello world'" in first
     assert second.startswith("su -s /bin/sh user -c ") and "python3 src/main.py" in second
+
+
+def test_copy_owner_links_and_order(context: Path) -> None:
+    (context / "app" / "link").symlink_to("main.py")
+    spec = parse("FROM base\nRUN useradd app\nCOPY --chown=app:app app /opt/app\nRUN ls -l /opt/app\n",
+                 context, name="t").spec
+    useradd, copy, ls = spec["run"]
+    assert useradd == "useradd app" and ls == "ls -l /opt/app"
+    assert (copy["owner"], copy["dest"]) == ("app:app", "/opt/app")
+    parsed = parse("FROM base\nCOPY app /opt/app\n", context, name="t")
+    with tarfile.open(parsed.blobs[parsed.spec["run"][0]["archive"]]) as tar:
+        link = tar.getmember("app/link")
+        assert link.issym() and link.linkname == "main.py"  # a link stays a link
 
 
 def test_run_scripts_run_where_and_with_what_docker_would(context: Path, tmp_path: Path) -> None:
@@ -122,7 +149,7 @@ def test_docker_hub_short_names_are_images() -> None:
     ("FROM -bad", 1, "name a SPACE template, or an image"),
     ("FROM Ubuntu:24.04", 1, r"an image is \[registry/\]repository:tag"),
     ("RUN true\nFROM base", 1, "RUN before FROM"),
-    ("FROM base\nCOPY --chown=user app /app", 2, "--chown is not supported"),
+    ("FROM base\nCOPY --chown=1000 app /app", 2, "--chown=user\\[:group\\] by name"),
     ("FROM base\nCOPY --from=build /a /b", 2, "--from is not supported"),
     ("FROM base\nCOPY app/*.py /app/", 2, "wildcards are not supported"),
     ("FROM base\nADD https://example.com/x /x", 2, "ADD of a URL"),

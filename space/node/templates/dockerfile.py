@@ -11,11 +11,13 @@ One stage, these instructions; anything else is refused with its line number:
 - ``RUN`` (shell or JSON form): a build step, run with ``/bin/sh -c`` in the environment, working
   directory and user the instructions before it set, as a Dockerfile's are (:func:`in_context`).
 - ``COPY`` / ``ADD`` of files and directories of the build context (the Dockerfile's directory unless
-  ``--context``): the template's ``files`` (their bytes uploaded by sha256, as a TOML file's are).
-  What the context's ``.dockerignore`` excludes is never sent (:mod:`.dockerignore`).
-  SPACE places files before every ``RUN`` step; ``--chmod=0NNN`` sets their mode, other flags
-  (``--chown``, ``--from``, ``--link``), wildcards, URLs and archives that ``ADD`` would unpack are
-  refused.
+  ``--context``): each a ``run`` copy in its place among the ``RUN`` steps, its files in a tar
+  uploaded by sha256 (made the same for the same files: names sorted, owners and times zeroed);
+  links are copied as links, a directory's contents go into the destination, a file into it when
+  it ends in ``/``. What the context's ``.dockerignore`` excludes is never sent
+  (:mod:`.dockerignore`). Files are root's unless ``--chown=user[:group]`` (by name);
+  ``--chmod=0NNN`` sets their mode; ``--from``, ``--link``, wildcards, URLs and archives that ``ADD``
+  would unpack are refused.
 - ``ENV``, ``ARG`` (``--build-arg`` overrides a default), ``WORKDIR``, ``USER`` (a name): what later
   instructions see; the last ``ENV``s, ``WORKDIR`` and ``USER`` are the template's defaults.
 - ``CMD`` / ``ENTRYPOINT``: the template's start command (entrypoint then command), started in the
@@ -30,8 +32,13 @@ before them, as Docker does; ``RUN``'s are the shell's.
 from __future__ import annotations
 
 import json
+import os
+import posixpath
 import re
 import shlex
+import stat
+import tarfile
+import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
@@ -39,12 +46,14 @@ from space.errors import SpaceError, ValidationFailed
 from space.node.storage.pool import check_name
 from space.node.templates.dockerignore import DockerIgnore
 from space.node.templates.spec import (
+    _OWNER,
+    MAX_BLOB_BYTES,
     ParsedTemplate,
-    _files,
     _mode,
     canonical_reference,
     check_build_fields,
     check_user,
+    file_sha256,
     in_context,
     is_reference,
     with_instructions,
@@ -150,8 +159,11 @@ def _pairs(args: str, line: int, what: str) -> list[tuple[str, str]]:
     return out
 
 
-def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | None = None) -> ParsedTemplate:
-    """The request spec of a Dockerfile's ``text``; COPY sources resolve under ``context``."""
+def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | None = None,
+          scratch: Path | None = None) -> ParsedTemplate:
+    """The request spec of a Dockerfile's ``text``; COPY sources resolve under ``context``, and each
+    COPY's files are archived into ``scratch`` (a new temporary directory if None: the caller
+    removes it once the archives, the spec's blobs, are uploaded)."""
     if len(text.encode()) > MAX_BYTES:
         raise DockerfileError(f"a Dockerfile is limited to {MAX_BYTES} bytes", field="dockerfile")
     given = dict(build_args or {})
@@ -160,8 +172,7 @@ def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | N
     workdir: str | None = None
     user: str | None = None
     spec: dict[str, Any] = {"name": name}
-    run: list[str] = []
-    copies: list[dict[str, Any]] = []
+    run: list[str | dict[str, Any]] = []
     start: list[str] | str | None = None
     entrypoint: list[str] | str | None = None
     seen_from = False
@@ -209,7 +220,7 @@ def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | N
             cmd = shlex.join(form) if isinstance(form, list) else form
             run.append(in_context(cmd, {**args, **env}, workdir, user))
         elif keyword in ("COPY", "ADD"):
-            copies.extend(_copy(keyword, substitute(rest, values, line), workdir, line, context))
+            run.extend(_copy(keyword, substitute(rest, values, line), workdir, line, context))
         elif keyword == "CMD":
             start = _exec_or_shell(rest, line)
         elif keyword == "ENTRYPOINT":
@@ -219,14 +230,12 @@ def parse(text: str, context: Path, *, name: str, build_args: dict[str, str] | N
     if given:
         raise DockerfileError(f"--build-arg {sorted(given)[0]} names no ARG of the Dockerfile", field="build_arg")
     blobs: dict[str, Path] = {}
-    if copies:
+    if any(isinstance(step, dict) for step in run):
         ignore = DockerIgnore.of_context(context)
-        try:
-            spec["files"] = _files([{k: c[k] for k in ("src", "dest", "mode") if k in c} for c in copies],
-                                   context, blobs, ignore.excluded if ignore is not None else None)
-        except ValidationFailed as exc:
-            line = next((c["line"] for c in copies if str(c["src"]) in exc.message), copies[0]["line"])
-            raise _bad(line, exc.message.split("' ", 1)[-1]) from None
+        where = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="space-dockerfile-"))
+        for i, step in enumerate(run):
+            if isinstance(step, dict):
+                run[i] = _archived(step, context, where, blobs, ignore)
     command = _start(entrypoint, start)
     with_instructions(spec, run=run, env=env, workdir=workdir, user=user,
                       start={"cmd": command} if command else None)
@@ -254,6 +263,7 @@ def _copy(keyword: str, rest: str, workdir: str | None, line: int, context: Path
     except ValueError as exc:
         raise _bad(line, f"{keyword}: {exc}") from None
     mode = None
+    owner = "root"  # Docker's: a COPY's files are root's whatever USER says, unless --chown
     while words and words[0].startswith("--"):
         flag = words.pop(0)
         if flag.startswith("--chmod="):
@@ -261,8 +271,13 @@ def _copy(keyword: str, rest: str, workdir: str | None, line: int, context: Path
                 mode = _mode(flag.removeprefix("--chmod="), "chmod")
             except ValidationFailed:
                 raise _bad(line, f"{keyword} {flag}: an octal mode such as --chmod=0755") from None
+        elif flag.startswith("--chown="):
+            owner = flag.removeprefix("--chown=")
+            if not _OWNER.fullmatch(owner):
+                raise _bad(line, f"{keyword} {flag[:60]}: --chown=user[:group] by name (SPACE names users by "
+                                 "name, not by uid)")
         else:
-            raise _bad(line, f"{keyword} {flag.split('=')[0]} is not supported (files are owned by root)")
+            raise _bad(line, f"{keyword} {flag.split('=')[0]} is not supported")
     if rest.lstrip().startswith("["):
         raise _bad(line, f"{keyword} in JSON form is not supported: write {keyword} SRC... DEST")
     if len(words) < 2:
@@ -283,13 +298,77 @@ def _copy(keyword: str, rest: str, workdir: str | None, line: int, context: Path
                              "COPY it and unpack it in a RUN step")
         if PurePosixPath(src).is_absolute() or ".." in PurePosixPath(src).parts:
             raise _bad(line, f"{keyword} {src[:80]!r}: a source is a path inside the build context")
-        # A directory's contents go into the destination; a file into it when it ends in /.
-        into = dest.endswith("/") and not (context / src).is_dir()
-        target = dest + PurePosixPath(src).name if into else dest
-        entry: dict[str, Any] = {"src": src, "dest": target.rstrip("/") or "/", "line": line}
-        if mode is not None:
-            entry["mode"] = mode
-        out.append(entry)
+        # A directory's contents go into the destination; a file into it when it ends in / (the
+        # copy step's rules: space/node/helper/copy_archive.py).
+        out.append({"src": posixpath.normpath(src), "dest": dest, "owner": owner, "mode": mode or "",
+                    "line": line, "keyword": keyword})
+    return out
+
+
+def _archived(step: dict[str, Any], context: Path, scratch: Path, blobs: dict[str, Path],
+              ignore: DockerIgnore | None) -> dict[str, str]:
+    """A COPY's source as a spec ``run`` copy: its files (what ``.dockerignore`` leaves) in a tar
+    made the same for the same files (names sorted, owners and times zeroed: the same context is
+    the same template), kept in ``blobs`` under its sha256."""
+    line, src = int(step["line"]), str(step["src"])
+    top = context / src
+    if not top.exists() and not top.is_symlink():
+        raise _bad(line, f"{step['keyword']} {src[:80]!r} does not exist in the build context {context}")
+    members = sorted(_members(context, src, ignore))
+    if not members:
+        raise _bad(line, f"{step['keyword']} {src[:80]!r}: nothing to copy (.dockerignore excludes it)")
+    fd, name = tempfile.mkstemp(prefix="copy-", suffix=".tar", dir=scratch)
+    os.close(fd)
+    path = Path(name)
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in members:
+            info = tar.gettarinfo(str(context / rel), arcname=rel)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            if info.isreg():
+                with open(context / rel, "rb") as f:
+                    tar.addfile(info, f)
+            elif info.isdir() or info.issym():
+                tar.addfile(info)
+            if path.stat().st_size > MAX_BLOB_BYTES:
+                raise _bad(line, f"{step['keyword']} {src[:80]!r}: more than {MAX_BLOB_BYTES} bytes to copy")
+    sha = file_sha256(path)
+    final = scratch / f"{sha}.tar"
+    path.replace(final)
+    blobs[sha] = final
+    return {"archive": sha, "src": src, "dest": str(step["dest"]), "owner": str(step["owner"]),
+            "mode": str(step["mode"]), "workdir": "", "user": ""}
+
+
+def _members(context: Path, src: str, ignore: DockerIgnore | None) -> list[str]:
+    """``src`` and what is under it (links kept as links), as context-relative posix paths: only
+    files, directories and links, and none that ``ignore`` excludes (nor what is under those)."""
+    def kept(rel: str) -> bool:
+        return ignore is None or not ignore.excluded(rel)
+
+    def copyable(path: Path) -> bool:
+        mode = os.lstat(path).st_mode
+        return stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)
+
+    top, rel_top = context / src, posixpath.normpath(src)
+    if not kept(rel_top) or not copyable(top):
+        return []
+    if top.is_symlink() or not top.is_dir():
+        return [rel_top]
+    out = [rel_top]
+    for dirpath, dirnames, filenames in os.walk(top):  # links to directories are listed, not entered
+        keep = []
+        for n in sorted(dirnames):
+            rel = (Path(dirpath) / n).relative_to(context).as_posix()
+            if kept(rel):
+                keep.append(n)
+                out.append(rel)
+        dirnames[:] = keep
+        for n in filenames:
+            rel = (Path(dirpath) / n).relative_to(context).as_posix()
+            if kept(rel) and copyable(context / rel):
+                out.append(rel)
     return out
 
 

@@ -64,7 +64,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import posixpath
 import re
 import shlex
 import stat
@@ -490,9 +489,7 @@ def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -
     return ParsedTemplate(spec=spec, blobs=blobs)
 
 
-def _files(entries: Any, base_dir: Path, blobs: dict[str, Path],
-           ignored: Callable[[str], bool] | None = None) -> list[dict[str, str]]:
-    """``ignored``: whether a path relative to ``base_dir`` is left out (a ``.dockerignore``)."""
+def _files(entries: Any, base_dir: Path, blobs: dict[str, Path]) -> list[dict[str, str]]:
     if not isinstance(entries, list):
         raise bad("build.files", "must be a list of {src, dest, mode}")
     out: dict[str, dict[str, str]] = {}
@@ -509,18 +506,13 @@ def _files(entries: Any, base_dir: Path, blobs: dict[str, Path],
             st = src.stat()
         except OSError:
             raise bad(f"{key}.src", f"names {src}, which does not exist") from None
-        given = posixpath.normpath(entry["src"])
         if stat.S_ISDIR(st.st_mode):
-            found = [rel for rel in _walk(src)
-                     if ignored is None or not ignored(posixpath.normpath(posixpath.join(given, rel)))]
+            found = _walk(src)
             if not found:
-                raise bad(f"{key}.src", f"names the directory {src}, which holds no files"
-                          + (" (after .dockerignore)" if ignored is not None else ""))
+                raise bad(f"{key}.src", f"names the directory {src}, which holds no files")
             for rel in found:
                 _add(out, blobs, src / rel, str(PurePosixPath(dest) / rel), mode, f"{key}.src")
         elif stat.S_ISREG(st.st_mode):
-            if ignored is not None and ignored(given):
-                raise bad(f"{key}.src", f"names {src}, which .dockerignore excludes")
             _add(out, blobs, src, dest, mode, f"{key}.src")
         else:
             raise bad(f"{key}.src", f"names {src}, which is neither a file nor a directory")
