@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -458,7 +459,7 @@ def test_watch_with_entries_and_network_mounts_through_the_sdk(sbx: Sandbox) -> 
             sbx.files.write(f"{d}/w.txt", f"changed {kwargs}")
             seen: list[FilesystemEvent] = []
 
-            def wrote() -> bool:
+            def wrote(seen: list[FilesystemEvent] = seen, handle: Any = handle) -> bool:
                 seen.extend(handle.get_new_events())
                 return any(e.type == FilesystemEventType.WRITE and e.name == "w.txt" for e in seen)
 
@@ -475,7 +476,7 @@ def test_file_metadata_is_refused_by_name(sbx: Sandbox) -> None:
     """envd 0.6.2's file metadata has nowhere to live here (the sandbox filesystem refuses extended
     attributes): a write that carries it is refused with that reason, and writes nothing."""
     name = fresh("with_metadata.txt")
-    with pytest.raises(InvalidArgumentException, match="file metadata .* is not supported by SPACE"):
+    with pytest.raises(InvalidArgumentException, match=r"file metadata .* is not supported by SPACE"):
         sbx.files.write(name, "x", metadata={"author": "mish"})
     assert not sbx.files.exists(name)
     assert sbx.files.write(name, "x").name == name.rpartition("/")[2]  # without metadata: written

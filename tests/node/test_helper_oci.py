@@ -332,7 +332,7 @@ async def test_a_mirror_serves_docker_hubs_names(btrfs_pool: Pool, work: tuple[s
     assert (root / "etc-issue").read_bytes() == b"mirrored\n"
     plain = InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
                                     pool_root=btrfs_pool.root, registries=(f"http://{registry}",)))
-    with pytest.raises(InvalidRequest, match="registry docker.io is not one this node pulls images from"):
+    with pytest.raises(InvalidRequest, match=r"registry docker\.io is not one this node pulls images from"):
         await plain.call("image.inspect", {"image": "docker.io/library/ubuntu:v1"})
 
 
