@@ -18,6 +18,8 @@ Aspects:
 - E2B's ``Template().copy(...)`` from a build context (links, a relative destination, owner and
   mode), in order among RUN steps; the same files again are not uploaded again
 - a registry the operator did not list is refused before anything is pulled
+- Docker Hub's short names through a mirror for docker.io, by E2B's SDK: named as Docker Hub names
+  them, pulled from the mirror
 - a Dockerfile through the CLI: FROM that image, COPY (in order among RUNs, --chown), RUN in the
   ENV/WORKDIR/USER before it, CMD started at boot; a sandbox of it has it all
 - a registry that wants a login: refused without one; with the operator's secret for its host
@@ -55,7 +57,8 @@ CMD = "echo started-by-image > /tmp/image-cmd; exec sleep infinity"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, registry: str, auth_registry: str) -> Iterator[Server]:
-    registries = f"http://{registry},http://{auth_registry}"
+    # Docker Hub's names come from the test registry too (a mirror): docker.io itself is not reachable.
+    registries = f"http://{registry},http://{auth_registry},docker.io=http://{registry}"
     with own_server(tmp_path_factory.mktemp("img"), env={"SPACE_BUILD_REGISTRIES": registries}) as srv:
         yield srv
         for manifest in (srv.data_dir / "pool" / "templates").glob("*@*.json"):
@@ -93,7 +96,8 @@ def buildah(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Buildah]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def build_image(buildah: Buildah, server: Server, registry: str, repo: str, *, drop_python: bool = False) -> str:
+def build_image(buildah: Buildah, server: Server, registry: str, repo: str, *, drop_python: bool = False,
+                tag: str = "1") -> str:
     """The server's base root as an image, configured like a Dockerfile would, pushed as
     ``registry/repo:1``; its name by tag."""
     c = buildah("from", "scratch")
@@ -106,10 +110,10 @@ def build_image(buildah: Buildah, server: Server, registry: str, repo: str, *, d
     buildah("umount", c)
     buildah("config", "--env", "GREETING=hello from the image", "--user", "user", "--workingdir", "/home/user",
             "--cmd", json.dumps(["/bin/sh", "-c", CMD]), c)
-    buildah("commit", "--quiet", c, f"{repo}:1")
-    buildah("push", "--quiet", "--tls-verify=false", f"{repo}:1", f"docker://{registry}/{repo}:1")
+    buildah("commit", "--quiet", c, f"{repo}:{tag}")
+    buildah("push", "--quiet", "--tls-verify=false", f"{repo}:{tag}", f"docker://{registry}/{repo}:{tag}")
     buildah("rm", c)
-    return f"{registry}/{repo}:1"
+    return f"{registry}/{repo}:{tag}"
 
 
 def build_template(api: httpx.Client, name: str, image: str) -> dict[str, object]:
@@ -245,6 +249,28 @@ def test_e2b_sdk_copy_from_the_build_context(server: Server, monkeypatch: pytest
     logs.clear()
     e2b.Template.build(template(), "e2b-copy", on_build_logs=lambda e: logs.append(e.message))
     assert any("Skipping upload of 'folder/*', already cached" in line for line in logs), logs[-30:]
+
+
+def test_docker_hub_names_through_a_mirror(server: Server, api: httpx.Client, buildah: Buildah, registry: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ubuntu:22.04`` is Docker Hub's ``docker.io/library/ubuntu:22.04``; with a mirror for
+    docker.io (``SPACE_BUILD_REGISTRIES=docker.io=URL``) it is asked for and pulled there, and the
+    template names the image as Docker Hub does. (The image is the server's Debian root pushed to
+    the test registry under that name: Docker Hub is not reachable from here.)"""
+    e2b = pytest.importorskip("e2b")
+    from tests.e2e import e2b_env
+
+    build_image(buildah, server, registry, "library/ubuntu", tag="22.04")
+    e2b_env.point_sdk_at(monkeypatch, server)
+    e2b.Template.build(e2b.Template().from_image("ubuntu:22.04").run_cmd('test "$(whoami)" = "root"', user="root"),
+                       "hub-ubuntu")
+    pinned = api.get("/v1/templates/hub-ubuntu").json()["image"]
+    assert pinned.startswith("docker.io/library/ubuntu@sha256:"), pinned
+    sbx = e2b.Sandbox.create("hub-ubuntu")
+    try:
+        assert sbx.commands.run("cat /etc/debian_version").exit_code == 0
+    finally:
+        sbx.kill()
 
 
 def test_a_dockerfile_through_the_cli(server: Server, api: httpx.Client, buildah: Buildah, registry: str,
