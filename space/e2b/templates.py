@@ -148,7 +148,8 @@ def spec_of(body: BuildStart, archives: dict[str, str] | None = None) -> dict[st
         elif kind == "USER" and len(step.args) == 1:
             user = step.args[0]
         elif kind == "RUN" and 1 <= len(step.args) <= 2:
-            run.append(in_context(step.args[0], env, workdir, step.args[1] if len(step.args) == 2 else user))
+            run.append(in_context(step.args[0], env, workdir, step.args[1] if len(step.args) == 2 else user,
+                                  home_default=True))
         elif kind == "COPY" and 2 <= len(step.args) <= 4:
             archive = (archives or {}).get(step.files_hash or "")
             if archive is None:

@@ -30,7 +30,7 @@ def test_instructions_in_order() -> None:
     assert (spec["env"], spec["workdir"], spec["user"]) == ({"A": "1 2", "B": "x'y"}, "/srv/app", "user")
     assert spec["start"] == {"cmd": "serve", "ready": {"cmd": "true"}}
     first, second, third = spec["run"]
-    assert first == "echo first"
+    assert first == 'cd "$HOME"\necho first'  # no WORKDIR yet: the user's home, as E2B's builds (and COPY)
     assert second.startswith("su -s /bin/sh user -c ")
     assert third == "export A='1 2'\nexport B='x'\"'\"'y'\nmkdir -p /srv/app && cd /srv/app\necho third"
     # The scripts are what sh runs: the environment and directory reach the command.
@@ -50,7 +50,7 @@ def test_copies_keep_their_place_and_context() -> None:
         {"type": "RUN", "args": ["ls conf"]},
     ]), {"h1": sha, "h2": sha.replace("5", "6")})
     first, copy1, copy2, last = spec["run"]
-    assert first == "mkdir /srv" and last.endswith("ls conf'")
+    assert first == 'cd "$HOME"\nmkdir /srv' and last.endswith("ls conf'")
     assert copy1 == {"archive": sha, "src": "app/", "dest": "/srv/app/", "owner": "", "mode": "", "workdir": "",
                      "user": ""}
     assert copy2 == {"archive": "6" * 64, "src": "conf/*.toml", "dest": "conf", "owner": "root:root",

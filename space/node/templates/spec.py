@@ -358,13 +358,17 @@ def with_instructions(spec: dict[str, Any], *, run: Sequence[str | dict[str, str
     return spec
 
 
-def in_context(cmd: str, env: dict[str, str], workdir: str | None, user: str | None) -> str:
+def in_context(cmd: str, env: dict[str, str], workdir: str | None, user: str | None, *,
+               home_default: bool = False) -> str:
     """A ``run`` step (``/bin/sh -c``) that runs ``cmd`` as a Dockerfile's RUN does after the ENV,
     WORKDIR and USER before it: with ``env`` exported, in ``workdir`` (made if missing), as ``user``
-    (``su``; root otherwise)."""
+    (``su``; root otherwise). Without a workdir it runs in ``/`` as Docker's does, or with
+    ``home_default`` in the user's home, as E2B's builds do (where a relative COPY lands too)."""
     lines = [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     if workdir:
         lines.append(f"mkdir -p {shlex.quote(workdir)} && cd {shlex.quote(workdir)}")
+    elif home_default:
+        lines.append('cd "$HOME"')  # su sets it to the user's home; the build's own is /root
     lines.append(cmd)
     script = "\n".join(lines)
     if user and user != "root":
