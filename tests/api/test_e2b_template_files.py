@@ -21,9 +21,9 @@ import pytest
 
 from space.api.app import create_app
 from space.api.state import AppState
+from space.cluster.pki import ClusterCA
 from space.controller import Controller, NodeRegistry
 from space.e2b import template_files
-from space.cluster.pki import ClusterCA
 from space.node.templates.spec import blob_key
 from space.objstore import ObjectStore
 from space.store import Store
