@@ -95,6 +95,13 @@ def upstream_target(scope: Scope) -> bytes:
 
 
 #: What a relayed body's iterator raises when the far side broke off (reset, closed mid-body).
+def canonical_name(name: bytes) -> bytes:
+    """A header name as most servers write it (``Host``, ``Content-Type``, ``X-Request-Id``): names
+    are case-insensitive, but a server in the sandbox may compare them as written (E2B's edge sends
+    them so)."""
+    return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
+
+
 def upstream_host(raw: Iterable[tuple[bytes, bytes]], port: int) -> str:
     """The ``Host`` the server on ``port`` sees: the control plane's :data:`UPSTREAM_HOST` with
     ``${PORT}`` replaced, else ``localhost:<port>`` (what dev servers' host checks accept)."""
@@ -314,6 +321,7 @@ def ports_router(manager: SandboxManager) -> APIRouter:
         if "transfer-encoding" in request.headers and "content-length" not in request.headers:
             headers.append((b"transfer-encoding", b"chunked"))
         headers.insert(0, (b"host", host.encode()))
+        headers = [(canonical_name(name), value) for name, value in headers]
         up = await open_upstream(manager, sandbox_id, net.sandbox_ip, port)
         conn = httpcore.AsyncHTTP11Connection(httpcore.Origin(b"http", net.sandbox_ip.encode(), port), up)
         body = request.stream() if has_body(request.headers.raw) else None
