@@ -16,6 +16,11 @@ template is pulled and unpacked from nothing. Per run, alternately:
   into a directory on the same btrfs pool (target: materialize at most 1.3 times it);
 - ``rebuild``: the same tag built again (the same digest: the template exists, nothing pulled);
 - ``create``: a sandbox of the new template, create → running (a cold create: no pool keeps it).
+
+Then, per run, E2B's SDK: ``Template().from_dockerfile(...)`` of a 3-step Dockerfile on E2B's base
+(SPACE's ``base`` here: ENV, COPY of a context file, RUN) with ``Template.build``, cold (a nonce in
+the RUN makes each run's template new) and cached (the same again: the same digest); against the
+same Dockerfile (another nonce) through ``space template build -f``, SPACE's own path, cold.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lifecycle import given, ms_since, summary  # noqa: E402
-from tests.e2e.harness import base_template, free_port, own_server, wait_operation  # noqa: E402
+from space.keyforms import e2b_spelling  # noqa: E402
+from tests.e2e.harness import SPACE, base_template, free_port, own_server, wait_operation  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
 CACHE = Path("/var/cache/space")
@@ -171,7 +177,9 @@ def main() -> int:
                         wait_operation(api, d.json()["operation"]["id"], timeout=300)
                     log(f"run {i + 1}/{args.runs}: materialize {materialize[-1]:.0f} ms, skopeo+umoci "
                         f"{baseline[-1]:.0f} ms, rebuild {rebuild[-1]:.0f} ms, create {create[-1]:.0f} ms")
-                for manifest in (srv.data_dir / "pool" / "templates").glob("bench-image-*@*.json"):
+                res["image_build_steps_s"] = image_steps(srv.log_path)
+                res.update(e2b_builds(srv, tmp, args.runs))
+                for manifest in (srv.data_dir / "pool" / "templates").glob("bench-*@*.json"):
                     body = json.loads(manifest.read_text())
                     (CACHE / "templates" / f"{body['name']}-{body['digest']}.btrfs.zst").unlink(missing_ok=True)
         finally:
@@ -187,6 +195,78 @@ def main() -> int:
     out.with_suffix(".md").write_text(table)
     log(f"saved {out}.json and .md")
     return 0
+
+
+def image_steps(log_path: Path) -> dict[str, float]:
+    """Where an image template's build spends its time, from the server's log (mean seconds over
+    the runs): the pull and unpack, the two build sandboxes, the whole of the base step, and the
+    template's send stream written to the node's cache."""
+    sums: dict[str, list[float]] = {}
+    for raw in log_path.read_text(errors="replace").splitlines():
+        if not raw.startswith("{"):
+            continue
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            continue
+        if ev.get("event") == "template.image_steps" and "/bench/app" in str(ev.get("image", "")):
+            for k in ("pull_unpack_s", "configure_s", "check_s"):
+                sums.setdefault(k, []).append(float(ev[k]))
+        elif ev.get("event") == "template.build_step" and str(ev.get("step", "")).startswith("base: image"):
+            sums.setdefault("base_step_s", []).append(float(ev["seconds"]))
+        elif ev.get("event") == "template.exported" and str(ev.get("template", "")).startswith("bench-image-"):
+            sums.setdefault("export_s", []).append(float(ev["seconds"]))
+    return {k: round(sum(v) / len(v), 2) for k, v in sums.items()}
+
+
+E2B_DOCKERFILE = """FROM e2bdev/base
+ENV STAGE=bench
+COPY app.py /opt/app/
+RUN python3 /opt/app/app.py > /opt/app/out-{nonce}
+"""
+
+
+def e2b_builds(srv: Any, tmp: Path, runs: int) -> dict[str, Any]:
+    """E2B's SDK building a 3-step Dockerfile, cold and cached, and SPACE's CLI building it cold."""
+    import os
+
+    os.environ.update({"E2B_API_URL": srv.url, "E2B_SANDBOX_URL": srv.url,
+                       "E2B_API_KEY": e2b_spelling(srv.admin_key)})
+    for name in ("E2B_DEBUG", "E2B_DOMAIN", "E2B_ACCESS_TOKEN"):
+        os.environ.pop(name, None)
+    import e2b
+
+    ctx = tmp / "e2b-context"
+    ctx.mkdir()
+    (ctx / "app.py").write_text("print('built for the benchmark')\n")
+    cold: list[float] = []
+    cached: list[float] = []
+    native: list[float] = []
+    for i in range(runs):
+        nonce = uuid.uuid4().hex[:12]
+        template = e2b.Template(file_context_path=str(ctx)).from_dockerfile(E2B_DOCKERFILE.format(nonce=nonce))
+        t0 = time.perf_counter()
+        e2b.Template.build(template, f"bench-e2b-{i}")
+        cold.append(ms_since(t0))
+        t0 = time.perf_counter()
+        e2b.Template.build(template, f"bench-e2b-{i}")
+        cached.append(ms_since(t0))
+        (ctx / "Dockerfile").write_text(E2B_DOCKERFILE.format(nonce=nonce + "-native").replace("e2bdev/base", "base"))
+        env = {**os.environ, "SPACE_URL": srv.url, "SPACE_API_KEY": srv.admin_key}
+        native.append(timed_env([SPACE, "template", "build", f"bench-native-{i}", "-f", str(ctx / "Dockerfile")], env))
+        log(f"e2b run {i + 1}/{runs}: Template.build cold {cold[-1]:.0f} ms, cached {cached[-1]:.0f} ms; "
+            f"space template build -f {native[-1]:.0f} ms")
+    c, n = summary(cold), summary(native)
+    return {"e2b_build_cold_ms": c, "e2b_build_cached_ms": summary(cached), "space_cli_build_cold_ms": n,
+            "e2b_vs_cli_p50": c["p50"] / n["p50"]}
+
+
+def timed_env(argv: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed: {p.stderr[-2000:]}")
+    return ms_since(t0)
 
 
 def render(res: dict[str, Any]) -> str:
@@ -205,6 +285,14 @@ def render(res: dict[str, Any]) -> str:
         row("skopeo copy + umoci raw unpack alone (ms)", b),
         row("the same tag built again (ms)", res["rebuild_same_tag_ms"]),
         row("a sandbox of it, create → running (ms)", res["create_ms"]),
+        row("E2B SDK Template.build, 3-step Dockerfile, cold (ms)", res["e2b_build_cold_ms"],
+            f"{res['space_cli_build_cold_ms']['p50']:.0f} (space template build -f, cold)",
+            f"{res['e2b_vs_cli_p50']:.2f}"),
+        row("E2B SDK Template.build, the same again (ms)", res["e2b_build_cached_ms"]),
+        row("space template build -f, the same Dockerfile, cold (ms)", res["space_cli_build_cold_ms"]),
+        "",
+        "Where an image template's build goes (mean seconds, from the server's log): "
+        + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in res["image_build_steps_s"].items()),
         "",
     ])
 

@@ -75,12 +75,17 @@ async def build_custom(store: TemplateStore, spec: dict[str, Any], work: Path, e
                 tail.append(text)
                 await indented(text)
 
+            started = time.monotonic()
             with logins_fd(registry_auth) as fds:
                 await store.pool.priv.call("template.oci", {"work": rel, "image": image}, fds=fds, on_line=line,
                                            timeout=STEP_TIMEOUT)
+            pulled = time.monotonic()
             await _run_script(store.pool.priv, rel, "image_configure", [])
+            configured = time.monotonic()
             # The image runs the guest daemon and has the template's user, or the build says what it lacks.
             await _run_script(store.pool.priv, rel, "image_check", [str(spec.get("user") or "")])
+            log.info("template.image_steps", image=image, pull_unpack_s=round(pulled - started, 2),
+                     configure_s=round(configured - pulled, 2), check_s=round(time.monotonic() - configured, 2))
 
         steps.append((f"base: image {image}", from_image))
     else:
