@@ -7,7 +7,8 @@ So the URL carries its own authorization: a MAC under the deployment's secret of
 expiry an hour away, checked before a byte of the body is read. The body is bounded
 (:data:`~space.node.templates.spec.MAX_BLOB_BYTES`), hashed as it streams to a temporary file, and
 stored as the template blob ``blobs/<sha256>``; the object ``e2b-files/<hash>`` then records which
-blob that is. A build turns the COPY into a ``run`` copy naming the blob by its sha256
+blob that is, once: a later upload to the same hash changes nothing (the SDK's forced upload sends
+the same files; anyone else holding the URL cannot swap what a build copies). A build turns the COPY into a ``run`` copy naming the blob by its sha256
 (:data:`~space.node.templates.spec.COPY_KEYS`), so the template's digest covers the bytes and the
 node checks them against it when it fetches the blob.
 
@@ -103,6 +104,10 @@ async def upload(files_hash: str, request: Request, st: St, expires: Annotated[i
                 digest.update(chunk)
                 f.write(chunk)
         sha256 = digest.hexdigest()
+        if await objects.exists(_record_key(files_hash)):
+            # Written once: the hash names the files (the SDK's upload again of the same files is a
+            # no-op), and a URL seen by someone else cannot swap what a build copies.
+            return Response(status_code=200)
         key = template_spec.blob_key(sha256)
         if await objects.size(key) is None:
             await objects.put_file(key, tmp)

@@ -85,6 +85,11 @@ async def test_upload_with_the_signed_url_then_present(api: Api) -> None:
     assert await api.objects.get_bytes(blob_key(sha)) == body
     assert await template_files.archive_of(api.objects, FILES_HASH, 1) == sha
     assert (await upload_url(api))[0] is True
+    # Another body to the same hash (a leaked URL, or the SDK forcing the upload again): the files a
+    # build of that hash copies stay the first ones.
+    r = await api.http.put(url, content=b"something else")
+    assert r.status_code == 200
+    assert await template_files.archive_of(api.objects, FILES_HASH, 1) == sha
 
 
 async def test_only_the_signed_url_uploads(api: Api) -> None:
