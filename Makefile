@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 GW_VENV ?= .venv-gateway
 DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: setup system python gateway deploy-tools access images test-containers run test lint typecheck check bench chaos chaos-short clean-dev
+.PHONY: setup system python gateway deploy-tools access images test-containers run test lint typecheck check bench chaos chaos-short e2b-suite clean-dev
 
 setup: system python gateway deploy-tools access  ## install system packages and the Python environments (idempotent)
 
@@ -76,3 +76,6 @@ bench: setup  ## benchmarks: prints a table, saves bench/results/<date>.json and
 
 chaos: setup  ## 30 minutes of killed, frozen and drained nodes, controllers and replicas; report in bench/results/<date>-chaos.md
 	$(PY) bench/chaos.py --minutes $(or $(CHAOS_MINUTES),30)
+
+e2b-suite: setup  ## E2B's own Python SDK tests, unmodified, against a space serve of its own (E2B_SDK_DIR=<an E2B checkout>/packages/python-sdk; see scripts/e2b-suite)
+	scripts/e2b-suite all
