@@ -54,7 +54,9 @@ E2B_BASE_IMAGES: Final = ("e2bdev/base", "e2bdev/base:latest", "docker.io/e2bdev
 #: Log entries a status answer carries at most (E2B's SDK expects pages and asks again).
 LOG_PAGE: Final = 100
 MAX_STEPS: Final = 256
-_STATUS: Final = {"pending": "waiting", "running": "building", "succeeded": "ready", "failed": "error",
+#: E2B's "waiting" is a build named but not started; one started is "building" until it ends, even
+#: before a controller has picked up its operation.
+_STATUS: Final = {"pending": "building", "running": "building", "succeeded": "ready", "failed": "error",
                   "cancelled": "error"}
 
 

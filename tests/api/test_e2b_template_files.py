@@ -145,3 +145,18 @@ async def test_a_damaged_record_is_refused(api: Api) -> None:
     await api.objects.put_bytes(f"e2b-files/{FILES_HASH}", b"x" * 5000)
     with pytest.raises(Exception, match="damaged"):
         await template_files.archive_of(api.objects, FILES_HASH, 2)
+
+
+async def test_a_started_build_is_building_until_it_ends(api: Api, store: Store) -> None:
+    """E2B's ``waiting`` is a build named but not started: one started (its operation queued, not yet
+    picked up) is ``building`` (E2B's own test of ``build_in_background`` asks right away)."""
+    from space import ids
+    from space.store import Operation
+
+    op = Operation(id=ids.operation_id(), tenant="default", kind="template.build", target="my-env",
+                   status="pending", request={"spec": {}, "e2b_build": "bld-1"})
+    await store.create_operation(op)
+    r = await api.http.get("/templates/my-env/builds/bld-1/status", headers=api.operator)
+    assert r.status_code == 200 and r.json()["status"] == "building", r.text
+    r = await api.http.get("/templates/my-env/builds/bld-2/status", headers=api.operator)
+    assert r.status_code == 404
