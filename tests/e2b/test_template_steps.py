@@ -57,6 +57,17 @@ def test_copies_keep_their_place_and_context() -> None:
                      "mode": "0600", "workdir": "/srv", "user": "user"}
 
 
+def test_a_copy_under_the_root_directory() -> None:
+    """E2B's ``from_dockerfile`` starts with Docker's ``WORKDIR /``: a COPY after it is valid."""
+    from space.node.templates.spec import check_build_fields
+
+    spec = spec_of(start(steps=[{"type": "WORKDIR", "args": ["/"]},
+                                {"type": "COPY", "args": ["app.py", "opt/app/"], "filesHash": "h"},
+                                {"type": "WORKDIR", "args": ["/home/user"]}]), {"h": "7" * 64})
+    check_build_fields(spec)
+    assert spec["run"][0]["workdir"] == "/" and spec["workdir"] == "/home/user"
+
+
 def test_the_base() -> None:
     assert spec_of(start())["base_template"] == "base"
     assert spec_of(start(fromImage="e2bdev/base"))["base_template"] == "base"

@@ -239,7 +239,7 @@ def check_copy(entry: dict[str, Any], key: str) -> None:
         raise bad(f"{key}.owner", "must be '' or user[:group]")
     if not isinstance(entry["mode"], str) or (entry["mode"] and not _MODE.fullmatch(entry["mode"])):
         raise bad(f"{key}.mode", "must be '' or four octal digits such as 0755")
-    if entry["workdir"] != "":
+    if entry["workdir"] not in ("", "/"):  # "/": a Dockerfile's WORKDIR before any other
         check_abs_path(entry["workdir"], f"{key}.workdir")
     if entry["user"] != "":
         check_user(entry["user"], f"{key}.user")
