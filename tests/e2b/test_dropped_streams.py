@@ -61,9 +61,9 @@ def url() -> Iterator[str]:
 def test_a_dropped_stream_is_a_reset(url: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     got = b""
-    with httpx.Client(timeout=10) as c, pytest.raises(httpx.ReadError) as info:
-        with c.stream("POST", f"{url}/dies") as r:
-            assert r.status_code == 200
+    with httpx.Client(timeout=10) as c, c.stream("POST", f"{url}/dies") as r:
+        assert r.status_code == 200
+        with pytest.raises(httpx.ReadError) as info:
             for chunk in r.iter_bytes():
                 got += chunk
     assert got == b"first frame"
