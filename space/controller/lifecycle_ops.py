@@ -95,9 +95,11 @@ class LifecycleOps:
                 raise InvalidState(f"cannot pause a sandbox that is {sb.state}", state=str(sb.state), allowed=[])
             node = await self._node_of(sb)
             await node.call("POST", f"/v1/sandboxes/{sb.id}/pause")
-            why = "idle" if op.request.get("idle") else "request"
+            why = "idle" if op.request.get("idle") else op.request.get("reason") or "request"
+            # A pause for a timeout ends that timeout in the same write (policies keep it until then).
+            ended = {"expires_at": None} if why == "timeout" else {}
             sb = await self.moved(sb, State.PAUSED, expect=[State.RUNNING],
-                                  event=("paused", f"paused ({why})", {"reason": why}))
+                                  event=("paused", f"paused ({why})", {"reason": why}), **ended)
         return {"sandbox_id": sb.id, "state": str(sb.state)}
 
     async def resume(self, op: Operation) -> dict[str, Any]:

@@ -67,10 +67,16 @@ class Policies:
     async def _enqueue(self, sb: Sandbox, kind: str, request: dict[str, Any], *,
                        state: State | None = None, snapshot: Snapshot | None = None,
                        key: str | None = None) -> Operation:
+        return (await self._enqueue_once(sb, kind, request, state=state, snapshot=snapshot, key=key))[0]
+
+    async def _enqueue_once(self, sb: Sandbox, kind: str, request: dict[str, Any], *,
+                            state: State | None = None, snapshot: Snapshot | None = None,
+                            key: str | None = None) -> tuple[Operation, bool]:
+        """The operation, and whether this call made it (False: ``key`` named an earlier one)."""
         op = Operation(id=ids.operation_id(), tenant=sb.tenant, kind=kind, target=sb.id, status="pending",
                        request={**request, "from_state": str(sb.state)}, idempotency_key=key)
-        _, op, _ = await self.store.start_operation(op, move_to=state, expect=[sb.state], snapshot=snapshot)
-        return op
+        _, op, created = await self.store.start_operation(op, move_to=state, expect=[sb.state], snapshot=snapshot)
+        return op, created
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -82,8 +88,19 @@ class Policies:
             # paused or suspending sandbox whose next tick only clears it.
             acted = sb.state == State.RUNNING
             if acted and sb.expire_action == "pause":
-                await self._enqueue(sb, "sandbox.pause", {"reason": "timeout"})
-                await self.ops.event(sb, "expired", "its timeout ran out: pausing it")
+                # The deadline stays until the pause has happened (the pause clears it in the write
+                # that records the sandbox paused): a request for an auto-resuming sandbox meanwhile
+                # waits for the pause, then wakes it (space/e2b/edge.py), instead of reaching a
+                # sandbox being frozen. The deadline names the operation: the ticks meanwhile make
+                # it once; one that failed gives up the deadline, as before.
+                op, created = await self._enqueue_once(
+                    sb, "sandbox.pause", {"reason": "timeout"},
+                    key=f"timeout-pause:{sb.id}:{sb.expires_at.timestamp():.6f}")
+                if created:
+                    await self.ops.event(sb, "expired", "its timeout ran out: pausing it")
+                if op.status in ("pending", "running"):
+                    return created
+                acted = False  # it failed: the deadline is given up below
             elif acted:
                 memory = sb.expire_action == "suspend"
                 snap = new_snapshot(sb, "full" if memory else "disk", "suspend")
