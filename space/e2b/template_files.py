@@ -8,9 +8,9 @@ expiry an hour away, checked before a byte of the body is read. The body is boun
 (:data:`~space.node.templates.spec.MAX_BLOB_BYTES`), hashed as it streams to a temporary file, and
 stored as the template blob ``blobs/<sha256>``; the object ``e2b-files/<hash>`` then records which
 blob that is, once: a later upload to the same hash changes nothing (the SDK's forced upload sends
-the same files; anyone else holding the URL cannot swap what a build copies). A build turns the COPY into a ``run`` copy naming the blob by its sha256
-(:data:`~space.node.templates.spec.COPY_KEYS`), so the template's digest covers the bytes and the
-node checks them against it when it fetches the blob.
+the same files; anyone else holding the URL cannot swap what a build copies). A build turns the
+COPY into a ``run`` copy naming the blob by its sha256 (:data:`~space.node.templates.spec.COPY_KEYS`),
+so the template's digest covers the bytes and the node checks them against it when it fetches it.
 
 Templates are the operator's (global): only an operator's key gets an upload URL.
 """
