@@ -83,6 +83,8 @@ class Refused(Exception):
 # -- auth ---------------------------------------------------------------------------------------
 
 
+#: How long a refused upload waits for the guest to drop the file it had begun (see _dropped).
+DROP_WAIT: Final = 3.0
 #: envd 0.6.2's file metadata (``X-Metadata-<key>: <value>``, kept as ``user.e2b.<key>`` xattrs).
 METADATA_HEADER: Final = "x-metadata-"
 METADATA_REFUSED: Final = ("file metadata (X-Metadata-* headers) is not supported by SPACE: the sandbox's filesystem "
@@ -339,12 +341,33 @@ async def _write(st: AppState, t: Target, path: str, user: str | None, chunks: A
     except PayloadTooLarge as exc:
         raise Refused(413, exc.message) from None
     except SpaceError as exc:
+        if body.error is not None:
+            await _dropped(t, path)
         raise body.error or _refusal(t, exc, path) from None
     except Exception:
         if body.error is not None:
+            await _dropped(t, path)
             raise body.error from None
         raise
     return {"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}
+
+
+async def _dropped(t: Target, path: str) -> None:
+    """After an upload this side aborted (over the limit, a bad gzip body): wait, briefly, for the
+    guest to drop the file it had made, so the refusal is not answered while the half-written file
+    is still there. (A file that existed before stays, truncated, as envd leaves it: that one the
+    deadline ends.) The guest learns of the abort from the node, which this side cannot ask."""
+    deadline = time.monotonic() + DROP_WAIT
+    pause = 0.01
+    while time.monotonic() < deadline:
+        try:
+            await t.node.call("GET", f"/v1/sandboxes/{t.sandbox.id}/files/stat", params={"path": path})
+        except NotFound:
+            return
+        except SpaceError:
+            return  # the sandbox's own trouble: nothing to wait for
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 class _Part:
