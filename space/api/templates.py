@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -94,6 +95,18 @@ async def put_blob(sha256: str, request: Request, who: Auth, st: St) -> dict[str
     if size is not None:
         return {"sha256": sha256, "size_bytes": size, "stored": False}
     # Spooled to a file first: only bytes that match their name reach the object store.
+    too_large = PayloadTooLarge(f"a template file is limited to {limit} bytes", limit=limit)
+    async with spooled(request, limit, too_large) as (tmp, digest, size):
+        if digest != sha256:
+            raise InvalidRequest(f"the body's sha256 is {digest}, not {sha256}", field="sha256")
+        await objects.put_file(key, tmp)
+    return {"sha256": sha256, "size_bytes": size, "stored": True}
+
+
+@contextlib.asynccontextmanager
+async def spooled(request: Request, limit: int, too_large: Exception) -> AsyncIterator[tuple[Path, str, int]]:
+    """The request's body in a temporary file (removed after): (path, sha256 hex, size). More than
+    ``limit`` bytes raise ``too_large``, as the body streams."""
     fd, tmp_name = tempfile.mkstemp(prefix="space-blob-")
     tmp = Path(tmp_name)
     try:
@@ -103,16 +116,13 @@ async def put_blob(sha256: str, request: Request, who: Auth, st: St) -> dict[str
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(f"a template file is limited to {limit} bytes", limit=limit)
+                    raise too_large
                 digest.update(chunk)
                 f.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise InvalidRequest(f"the body's sha256 is {digest.hexdigest()}, not {sha256}", field="sha256")
-        await objects.put_file(key, tmp)
+        yield tmp, digest.hexdigest(), size
     finally:
         with contextlib.suppress(OSError):
             await asyncio.to_thread(os.unlink, tmp)
-    return {"sha256": sha256, "size_bytes": size, "stored": True}
 
 
 @router.get("/{name}")

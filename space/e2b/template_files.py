@@ -17,23 +17,18 @@ Templates are the operator's (global): only an operator's key gets an upload URL
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import json
-import os
 import re
-import tempfile
 import time
-from pathlib import Path
 from typing import Annotated, Final
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from space.api.templates import _objects
+from space.api.templates import _objects, spooled
 from space.e2b.control import Auth, E2BError, St
 from space.e2b.edge import json_body
 from space.errors import NotFound
@@ -91,19 +86,8 @@ async def upload(files_hash: str, request: Request, st: St, expires: Annotated[i
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise E2BError(413, f"a COPY's files are limited to {limit} bytes (archived)")
-    fd, tmp_name = tempfile.mkstemp(prefix="space-e2b-files-")
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        size = 0
-        with os.fdopen(fd, "wb") as f:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise E2BError(413, f"a COPY's files are limited to {limit} bytes (archived)")
-                digest.update(chunk)
-                f.write(chunk)
-        sha256 = digest.hexdigest()
+    too_large = E2BError(413, f"a COPY's files are limited to {limit} bytes (archived)")
+    async with spooled(request, limit, too_large) as (tmp, sha256, size):
         if await objects.exists(_record_key(files_hash)):
             # Written once: the hash names the files (the SDK's upload again of the same files is a
             # no-op), and a URL seen by someone else cannot swap what a build copies.
@@ -113,9 +97,6 @@ async def upload(files_hash: str, request: Request, st: St, expires: Annotated[i
             await objects.put_file(key, tmp)
         # The record last: a build that finds it finds the blob.
         await objects.put_bytes(_record_key(files_hash), json.dumps({"sha256": sha256, "size": size}).encode())
-    finally:
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(os.unlink, tmp)
     return Response(status_code=200)
 
 

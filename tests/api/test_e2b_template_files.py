@@ -160,3 +160,16 @@ async def test_a_started_build_is_building_until_it_ends(api: Api, store: Store)
     assert r.status_code == 200 and r.json()["status"] == "building", r.text
     r = await api.http.get("/templates/my-env/builds/bld-2/status", headers=api.operator)
     assert r.status_code == 404
+
+
+async def test_spaces_own_blob_upload_checks_the_name(api: Api) -> None:
+    """``PUT /v1/templates/blobs/{sha256}`` spools the same way: stored only under its own sha256."""
+    bearer = {"authorization": f"Bearer {api.operator['x-api-key']}"}
+    body = b"a template file\n"
+    good, bad = hashlib.sha256(body).hexdigest(), "0" * 64
+    r = await api.http.put(f"/v1/templates/blobs/{bad}", content=body, headers=bearer)
+    assert r.status_code == 400 and good in r.text, r.text
+    assert await api.objects.list("") == []
+    r = await api.http.put(f"/v1/templates/blobs/{good}", content=body, headers=bearer)
+    assert r.status_code == 200 and r.json() == {"sha256": good, "size_bytes": len(body), "stored": True}, r.text
+    assert await api.objects.get_bytes(blob_key(good)) == body

@@ -135,3 +135,26 @@ def test_what_is_not_there_or_nobody(run: Run, tmp_path: Path) -> None:
     assert r.returncode == 3 and "'other/*' is not among the uploaded files" in r.stdout
     r = run(FOLDER, "folder", str(tmp_path / "d"), owner="no-such-user-here")
     assert r.returncode == 3 and "no user 'no-such-user-here'" in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("/tmp/x.tar", "a", "/d", "", "", "", ""),  # not the staged archive's name
+    ("/.space-copy-0123456789abcdef.tar", "../etc", "/d", "", "", "", ""),  # a source outside it
+    ("/.space-copy-0123456789abcdef.tar", "a", "../../d", "", "", "", ""),  # a destination climbing out
+    ("/.space-copy-0123456789abcdef.tar", "a", "/d", "root;id", "", "", ""),  # an owner that is no name
+    ("/.space-copy-0123456789abcdef.tar", "a", "/d", "", "7777x", "", ""),  # a mode that is no mode
+    ("/.space-copy-0123456789abcdef.tar", "a", "/d", "", "", "relative", ""),  # a workdir not absolute
+    ("/.space-copy-0123456789abcdef.tar", "a", "/d", "", "", ""),  # one argument short
+])
+def test_the_helper_refuses_arguments_outside_the_spec(args: tuple[str, ...]) -> None:
+    """The root helper checks a copy's arguments as the spec does before a build sandbox starts."""
+    from space.node.helper.build_scripts import copy_args_ok
+
+    assert not copy_args_ok(args)
+
+
+def test_the_helper_takes_a_spec_copy() -> None:
+    from space.node.helper.build_scripts import copy_args_ok
+
+    assert copy_args_ok(("/.space-copy-0123456789abcdef.tar", "folder/*", "folder", "user:user", "0755", "/app",
+                         "user"))
