@@ -20,6 +20,7 @@ from space.api.auth import Principal, principal
 from space.api.egress import checked_policy
 from space.api.fields import MAX_CPU, MAX_MEMORY_MB, MIN_MEMORY_MB, Bool, Int64, Number
 from space.api.state import AppState, app_state
+from space.api.templates import resolve_reference
 from space.controller import placement
 from space.controller.egress import egress_config
 from space.errors import Conflict, InvalidRequest, InvalidState, PoolEmpty, QuotaExceeded, SpaceError, Unavailable
@@ -107,6 +108,8 @@ async def create(st: AppState, who: Principal, body: CreateSandboxBody,
         await st.credentials.check_bindable(who, who.tenant, body.project, None, bound)
     if body.snapshot is not None:
         return await _create_from_snapshot(st, who, body, idempotency_key, policy, egress_policy, bound)
+    if ":" in body.template:  # name:tag
+        body = body.model_copy(update={"template": await resolve_reference(st, body.template)})
     sid = ids.sandbox_id()
     sb = Sandbox(
         id=sid, tenant=who.tenant, template=body.template, state=State.CREATING.value,

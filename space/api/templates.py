@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from space import ids
 from space.api import views
@@ -40,8 +40,12 @@ from space.node.templates import spec as template_spec
 from space.node.templates.store import spec_digest, validate_spec
 from space.objstore import ObjectStore
 from space.store import Operation, new_snapshot
+from space.store.templates import check_tag
 
 router = APIRouter(prefix="/v1/templates")
+
+#: Tags one request may give or take.
+MAX_TAGS = 64
 
 Auth = Annotated[Principal, Depends(principal)]
 St = Annotated[AppState, Depends(app_state)]
@@ -51,6 +55,8 @@ class BuildBody(BaseModel):
     force: Bool = False
     #: A spec from a space-template.toml (template_spec.from_toml); without it, the stored one.
     spec: dict[str, Any] | None = None
+    #: Tags the build's result gets (``name:tag`` names it from then on, until the tag moves).
+    tags: list[str] = Field(default_factory=list, max_length=MAX_TAGS)
 
 
 class SaveBody(BaseModel):
@@ -130,6 +136,13 @@ async def get_template(name: str, who: Auth, st: St) -> dict[str, Any]:
     return views.template(await st.store.get_template(name))
 
 
+@router.get("/{name}/tags")
+async def list_tags(name: str, who: Auth, st: St) -> dict[str, Any]:
+    """The template's tags: each names one build (its digest); ``name:tag`` creates from it."""
+    await st.store.get_template(name)  # 404 for an unknown template
+    return {"tags": [views.template_tag(t) for t in await st.store.list_template_tags(name)]}
+
+
 @router.post("/{name}/build", status_code=202)
 async def build_template(name: str, who: Auth, st: St, body: BuildBody | None = None) -> JSONResponse:
     who.require_operator()
@@ -145,7 +158,9 @@ async def build_template(name: str, who: Auth, st: St, body: BuildBody | None = 
                 raise NotFound(f"no template named {name!r} and no spec to build it from") from None
         if template_spec.is_saved(spec) and body is not None and body.force:
             raise InvalidRequest(f"template {name!r} was saved from a sandbox: it cannot be rebuilt")
-    op, tmpl = await queue_build(st, name, spec, tenant=who.tenant, force=bool(body and body.force))
+    tags = [check_tag(t) for t in (body.tags if body is not None else [])]
+    op, tmpl = await queue_build(st, name, spec, tenant=who.tenant, force=bool(body and body.force),
+                                 request={"tags": tags} if tags else None)
     return JSONResponse({"template": views.template(tmpl), "operation": views.operation(op)}, status_code=202)
 
 
@@ -183,13 +198,35 @@ async def resolve_spec(st: AppState, name: str, raw: dict[str, Any]) -> dict[str
     return validate_spec(spec)
 
 
+async def resolve_reference(st: AppState, ref: str) -> str:
+    """The template a sandbox of ``ref`` starts from: ``name``, or ``name:tag`` when the tag names
+    the template's current build (sandboxes start from a template's current build; a tag left on
+    an earlier one is a 409 naming both digests). 404 for an unknown template or tag."""
+    name, sep, tag = ref.partition(":")
+    if not sep:
+        return ref
+    check_tag(tag)
+    tagged = await st.store.get_template_tag(name, tag)
+    current = await st.store.get_template(name)
+    if tagged.digest != current.digest:
+        raise Conflict(f"tag {tag!r} of template {name} names an earlier build ({tagged.digest[:16]}); sandboxes "
+                       f"start from a template's current build ({current.digest[:16]} now): build that tag's "
+                       "template again, or move the tag", template=name, tag=tag, digest=tagged.digest)
+    return name
+
+
 async def queue_build(st: AppState, name: str, spec: dict[str, Any], *, tenant: str,
                       force: bool = False, request: dict[str, Any] | None = None) -> tuple[Operation, Any]:
     """One build per template at a time: a build already under way is returned, not doubled.
     ``request``: more for the operation's request (what a caller finds it by)."""
     running = await st.store.find_operations(target=name, kind="template.build", status=["pending", "running"])
     if running:
-        return running[0], await st.store.get_template(name)
+        op = running[0]
+        if any(op.request.get(k) != v for k, v in (request or {}).items()):
+            # Its result would not carry what this one asks for (its tags, its E2B build id).
+            raise Conflict(f"template {name} is being built (operation {op.id}); build again when it ends",
+                           template=name, operation=op.id)
+        return op, await st.store.get_template(name)
     try:
         cur = await st.store.get_template(name)
         if cur.status != "ready" or force:

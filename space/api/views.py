@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from space.lifecycle import State, allowed_actions
-from space.store import ApiKey, Operation, Sandbox, SandboxEvent, Snapshot, Template
+from space.store import ApiKey, Operation, Sandbox, SandboxEvent, Snapshot, Template, TemplateTag
 
 
 def _ts(v: datetime | None) -> str | None:
@@ -120,6 +120,10 @@ def template(t: Template) -> dict[str, Any]:
         "created_at": _ts(t.created_at),
         "updated_at": _ts(t.updated_at),
     }
+
+
+def template_tag(t: TemplateTag) -> dict[str, Any]:
+    return {"tag": t.tag, "digest": t.digest, "build_id": t.build_id, "created_at": _ts(t.created_at)}
 
 
 def apikey(k: ApiKey) -> dict[str, Any]:

@@ -544,10 +544,17 @@ class Controller:
                     result = item["template"]
             if pending:
                 await self.store.append_operation_logs(op.id, pending)
-        await self.store.upsert_template(op.target, digest=str(result.get("digest")), status="ready",
+        digest = str(result.get("digest"))
+        await self.store.upsert_template(op.target, digest=digest, status="ready",
                                          spec=spec, size_bytes=result.get("size_bytes"))
-        await self.store.append_operation_logs(op.id, [f"template {op.target} ready: {result.get('digest')}"])
-        return {"template": op.target, "digest": result.get("digest")}
+        lines = [f"template {op.target} ready: {digest}"]
+        tags = [str(t) for t in op.request.get("tags") or []]
+        if tags:  # after the template: a tag never names a build that is not ready
+            await self.store.tag_template(op.target, tags, digest=digest,
+                                          build_id=str(op.request.get("e2b_build") or op.id))
+            lines.append(f"tagged {', '.join(f'{op.target}:{t}' for t in tags)}")
+        await self.store.append_operation_logs(op.id, lines)
+        return {"template": op.target, "digest": digest, **({"tags": tags} if tags else {})}
 
     # -- reconciliation ---------------------------------------------------------------------
 

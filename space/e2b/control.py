@@ -653,8 +653,8 @@ def create_control_app(state: AppState) -> FastAPI:
     from space.e2b import snapshots, template_files, templates  # they build on this module's helpers
 
     app.include_router(router)
+    app.include_router(templates.router)  # first: DELETE /templates/tags is not snapshot "tags"
     app.include_router(snapshots.router)
-    app.include_router(templates.router)
     app.include_router(template_files.router)
     return app
 

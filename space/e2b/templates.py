@@ -1,12 +1,16 @@
 """E2B's template build API on SPACE's templates: what ``Template.build``, ``Template.exists`` and
 ``Sandbox.create(<name>)`` call.
 
-An E2B template is a SPACE template of the same name (its ``templateID``; a ``name:tag`` is the
-name, tags are not kept). ``POST /v3/templates`` names the build (``buildID``, nothing stored: the
-control plane stays stateless), ``POST /v2/templates/{id}/builds/{build}`` turns the SDK's
-instructions into a SPACE template spec and starts a ``template.build`` operation recorded under
-that build id, and ``GET /templates/{id}/builds/{build}/status`` reads that operation and its log
-lines. Templates are global in SPACE: building needs an admin key (403 otherwise).
+An E2B template is a SPACE template of the same name, and its tags SPACE's template tags (a tag
+names the build, the digest, it was given to; ``name:tag`` creates from it while that build is the
+template's current one). ``POST /v3/templates`` names the build (``buildID``; nothing stored, so any
+replica answers the next call: the ``templateID`` it answers carries the build's tags,
+``name:tag1,tag2``, and the SDK hands it back), ``POST /v2/templates/{id}/builds/{build}`` turns the
+SDK's instructions into a SPACE template spec and starts a ``template.build`` operation recorded
+under that build id (its result tagged), and ``GET /templates/{id}/builds/{build}/status`` reads
+that operation and its log lines. ``/templates/tags`` assigns and removes tags,
+``/templates/{id}/tags`` lists them. Templates are global in SPACE: building and tagging need an
+admin key (403 otherwise).
 
 The instructions, in order, become SPACE's spec:
 
@@ -31,7 +35,7 @@ operator's secret for its host (docs/api.md).
 from __future__ import annotations
 
 import datetime as dt
-import secrets
+import uuid
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query
@@ -46,6 +50,7 @@ from space.e2b.edge import json_body
 from space.errors import NotFound, SpaceError
 from space.node.storage.pool import check_name
 from space.node.templates.spec import in_context, with_instructions
+from space.store.templates import check_tag
 
 router = APIRouter()
 
@@ -95,19 +100,40 @@ def template_name(given: str) -> str:
         raise E2BError(400, f"invalid template name {given[:100]!r}: letters, digits, '.', '_' and '-'") from None
 
 
+def tag_of(given: str, name: str) -> str:
+    """A tag as E2B sends one, ``tag`` or ``name:tag`` (of template ``name``), or 400."""
+    prefix, sep, tag = given.rpartition(":")
+    if sep and prefix != name:
+        raise E2BError(400, f"tag {given[:140]!r} does not name template {name}")
+    try:
+        return check_tag(tag)
+    except SpaceError as exc:
+        raise E2BError(400, exc.message) from None
+
+
+def _build_tags(template_id: str) -> list[str]:
+    """The tags a ``templateID`` that :func:`request_build` answered carries."""
+    name, sep, tags = template_id.partition(":")
+    return [tag_of(t, name) for t in tags.split(",")] if sep else []
+
+
 @router.post("/v3/templates", status_code=202)
 async def request_build(body: BuildRequest, who: Auth, st: St) -> Response:
     who.require_operator()  # templates are global: an admin's
-    name = template_name(body.name or body.alias or "")
-    build_id = f"bld-{secrets.token_hex(8)}"
-    return json_body({"templateID": name, "buildID": build_id, "public": True, "names": [name],
-                      "tags": list(body.tags or []), "aliases": [name]}, 202)
+    given = body.name or body.alias or ""
+    name = template_name(given)
+    tags = list(dict.fromkeys([tag_of(t, name) for t in ([given] if ":" in given else []) + list(body.tags or [])]))
+    build_id = str(uuid.uuid4())  # E2B's SDKs parse build ids as UUIDs
+    template_id = f"{name}:{','.join(tags)}" if tags else name
+    return json_body({"templateID": template_id, "buildID": build_id, "public": True, "names": [name],
+                      "tags": tags, "aliases": [name]}, 202)
 
 
 @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
 async def start_build(template_id: str, build_id: str, body: BuildStart, who: Auth, st: St) -> Response:
     who.require_operator()
     name = template_name(template_id)
+    tags = _build_tags(template_id)
     if name in st.controller.template_specs:
         raise E2BError(409, f"template {name} is configured on this server (built from its own spec): "
                             "build under another name")
@@ -120,7 +146,7 @@ async def start_build(template_id: str, build_id: str, body: BuildStart, who: Au
         raise E2BError(400 if exc.status in (400, 422) else exc.status, f"template {name}: {exc.message}",
                        exc.code) from None
     await space_templates.queue_build(st, name, spec, tenant=who.tenant, force=body.force,
-                                      request={"e2b_build": build_id})
+                                      request={"e2b_build": build_id, **({"tags": tags} if tags else {})})
     return Response(status_code=202)
 
 
@@ -200,3 +226,76 @@ async def alias(alias: str, who: Auth, st: St) -> Response:
     if t.status != "ready":
         raise E2BError(404, f"template {name} is {t.status}")
     return json_body({"templateID": name, "public": True})
+
+
+# -- tags --------------------------------------------------------------------------------------
+
+
+class AssignTags(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    target: str = Field(..., max_length=300)
+    tags: list[Annotated[str, Field(max_length=300)]] = Field(..., min_length=1, max_length=space_templates.MAX_TAGS)
+
+
+class RemoveTags(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., max_length=300)
+    tags: list[Annotated[str, Field(max_length=300)]] = Field(..., min_length=1, max_length=space_templates.MAX_TAGS)
+
+
+@router.post("/templates/tags", status_code=201)
+async def assign_tags(body: AssignTags, who: Auth, st: St) -> Response:
+    """Give the build ``target`` (``name:tag``, or ``name``: its current build) more tags."""
+    who.require_operator()
+    name = template_name(body.target)
+    source = body.target.partition(":")[2] if ":" in body.target else None
+    tags = list(dict.fromkeys(tag_of(t, name) for t in body.tags))
+    if source is not None:
+        tagged = await st.store.get_template_tag(name, tag_of(source, name))
+        digest, build = tagged.digest, tagged.build_id
+    else:
+        t = await st.store.get_template(name)
+        if t.status != "ready" and not t.digest:
+            raise E2BError(404, f"template {name} has no build yet")
+        digest, build = t.digest, await _build_of(st, name, t.digest)
+    await st.store.tag_template(name, tags, digest=digest, build_id=build)
+    return json_body({"buildID": build_uuid(build), "tags": tags}, 201)
+
+
+async def _build_of(st: St, name: str, digest: str) -> str:
+    """The id of the build that made ``digest`` of template ``name`` (E2B's, else the operation's)."""
+    for op in reversed(await st.store.find_operations(target=name, kind="template.build", status=["succeeded"])):
+        if (op.result or {}).get("digest") == digest:
+            return str((op.request or {}).get("e2b_build") or op.id)
+    return digest[:64]  # a template no operation here built (saved, or from before)
+
+
+def build_uuid(build_id: str) -> str:
+    """A build id as E2B's SDKs take one (a UUID): E2B's own as they are, SPACE's (an operation's
+    id) as the UUID derived from it, the same every time."""
+    try:
+        return str(uuid.UUID(build_id))
+    except ValueError:
+        return str(uuid.uuid5(_BUILD_NAMESPACE, build_id))
+
+
+_BUILD_NAMESPACE: Final = uuid.UUID("5d0c3c55-9b57-4ad4-93b4-2f1e0a39a6c1")
+
+
+@router.delete("/templates/tags", status_code=204)
+async def remove_tags(body: RemoveTags, who: Auth, st: St) -> Response:
+    who.require_operator()
+    name = template_name(body.name)
+    tags = [tag_of(t, name) for t in body.tags]
+    await st.store.get_template(name)  # 404 for an unknown template
+    if not await st.store.untag_template(name, tags):
+        raise E2BError(404, f"template {name} has none of the tags {', '.join(tags)[:300]}")
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags")
+async def list_tags(template_id: str, who: Auth, st: St) -> Response:
+    name = template_name(template_id)
+    await st.store.get_template(name)  # 404 for an unknown template
+    return json_body([{"tag": t.tag, "buildID": build_uuid(t.build_id), "createdAt": _ts(t.created_at)}
+                      for t in await st.store.list_template_tags(name)])

@@ -13,10 +13,11 @@ from space.store.models import (
     SandboxEvent,
     Snapshot,
     Template,
+    TemplateTag,
     WarmPool,
     new_snapshot,
 )
 from space.store.repo import Store
 
 __all__ = ["ApiKey", "Node", "Operation", "OperationLog", "Sandbox", "SandboxEvent", "Snapshot",
-           "Store", "Template", "WarmPool", "new_snapshot"]
+           "Store", "Template", "TemplateTag", "WarmPool", "new_snapshot"]

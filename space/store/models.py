@@ -202,6 +202,20 @@ class Template(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class TemplateTag(Base):
+    """A name for one build of a template (``name:tag``): the digest that build made. A template's
+    name follows its newest build; a tag stays on the build it was given to until moved."""
+
+    __tablename__ = "template_tags"
+
+    template: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(128))
+    #: The build that made the digest (E2B's buildID, else SPACE's operation id).
+    build_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class Sandbox(Base):
     __tablename__ = "sandboxes"
 

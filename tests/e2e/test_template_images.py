@@ -187,7 +187,7 @@ def test_e2b_sdk_template_build_from_the_image_then_a_sandbox_of_it(
                 .run_cmd("id -un > /home/user/built-as"))  # (a build's last step empties /tmp)
     logs: list[str] = []
     info = e2b.Template.build(template, "e2b-app:v1", on_build_logs=lambda e: logs.append(e.message))
-    assert info.template_id == "e2b-app"
+    assert info.template_id == "e2b-app:v1"  # what the SDK hands back to the next calls: the build's tag
     assert e2b.Template.exists("e2b-app") and not e2b.Template.exists("no-such-template")
     assert any("base: image" in line for line in logs), logs[-20:]
 
@@ -249,6 +249,46 @@ def test_e2b_sdk_copy_from_the_build_context(server: Server, monkeypatch: pytest
     logs.clear()
     e2b.Template.build(template(), "e2b-copy", on_build_logs=lambda e: logs.append(e.message))
     assert any("Skipping upload of 'folder/*', already cached" in line for line in logs), logs[-30:]
+
+
+def test_e2b_sdk_template_tags(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B's ``Template.build(t, "name:tag")``, ``assign_tags``, ``get_tags``, ``remove_tags``, and
+    ``Sandbox.create("name:tag")``: a tag names a build; a sandbox of a tag left on an earlier build
+    is refused with the reason (SPACE starts sandboxes from a template's current build)."""
+    e2b = pytest.importorskip("e2b")
+    from tests.e2e import e2b_env
+
+    e2b_env.point_sdk_at(monkeypatch, server)
+
+    def which(word: str) -> Any:
+        return e2b.Template().from_template("base").run_cmd(f"echo {word} > /home/user/which")
+
+    def built_from(ref: str) -> str:
+        sbx = e2b.Sandbox.create(ref)
+        try:
+            return str(sbx.commands.run("cat /home/user/which").stdout.strip())
+        finally:
+            sbx.kill()
+
+    info = e2b.Template.build(which("one"), "e2b-tags:v1")
+    tagged = e2b.Template.assign_tags("e2b-tags:v1", ["production", "latest"])
+    assert str(tagged.build_id) == str(info.build_id) and set(tagged.tags) == {"production", "latest"}
+    assert e2b.Template.assign_tags("e2b-tags:v1", "stable").tags == ["stable"]
+    for bad in (":invalid-tag", "e2b-tags:"):
+        with pytest.raises(Exception):  # noqa: B017 - E2B's tests ask only that it raises
+            e2b.Template.assign_tags("e2b-tags:v1", bad)
+    tags = {t.tag: str(t.build_id) for t in e2b.Template.get_tags("e2b-tags")}
+    assert tags == dict.fromkeys(("v1", "production", "latest", "stable"), str(info.build_id))
+    assert built_from("e2b-tags:production") == "one"
+
+    e2b.Template.build(which("two"), "e2b-tags:v2")
+    assert built_from("e2b-tags:v2") == built_from("e2b-tags") == "two"
+    with pytest.raises(Exception, match="earlier build"):
+        e2b.Sandbox.create("e2b-tags:v1")
+    e2b.Template.remove_tags("e2b-tags", ["latest", "stable"])
+    assert {t.tag for t in e2b.Template.get_tags("e2b-tags")} == {"v1", "production", "v2"}
+    with pytest.raises(Exception):  # noqa: B017 - a template that does not exist
+        e2b.Template.remove_tags("no-such-template", ["x"])
 
 
 def test_docker_hub_names_through_a_mirror(server: Server, api: httpx.Client, buildah: Buildah, registry: str,

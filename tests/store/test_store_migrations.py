@@ -26,7 +26,8 @@ from space.store.models import Base
 pytestmark = pytest.mark.anyio
 
 TABLES = {"api_keys", "nodes", "templates", "sandboxes", "operations", "operation_logs", "snapshots",
-          "sandbox_events", "warm_pools", "audit_log", "tenant_quotas", "secrets", "leases", "join_tokens"}
+          "sandbox_events", "warm_pools", "audit_log", "tenant_quotas", "secrets", "leases", "join_tokens",
+          "template_tags"}
 
 
 def _diff(conn: Connection) -> list[Any]:
@@ -52,7 +53,7 @@ async def test_stamped_at_head_and_reopen_is_noop(store: Store) -> None:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     async with store._engine.connect() as conn:
         current = await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
-    assert current == head == "0020"
+    assert current == head == "0021"
     again = await Store.open(store.url)  # a second replica starting up
     await again.close()
 
