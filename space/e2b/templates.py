@@ -176,8 +176,11 @@ def spec_of(body: BuildStart, archives: dict[str, str] | None = None) -> dict[st
         elif kind == "USER" and len(step.args) == 1:
             user = step.args[0]
         elif kind == "RUN" and 1 <= len(step.args) <= 2:
-            run.append(in_context(step.args[0], env, workdir, step.args[1] if len(step.args) == 2 else user,
-                                  home_default=True))
+            as_user = step.args[1] if len(step.args) == 2 else user
+            # envd's words for a user that does not exist (E2B's SDK users match on them)
+            missing = (f"failed to run command {step.args[0][:200]!r}: command failed: unauthenticated: "
+                       f"invalid username: {as_user[:64]!r}") if as_user else None
+            run.append(in_context(step.args[0], env, workdir, as_user, home_default=True, missing_user=missing))
         elif kind == "COPY" and 2 <= len(step.args) <= 4:
             archive = (archives or {}).get(step.files_hash or "")
             if archive is None:

@@ -289,6 +289,18 @@ def _warm_imports() -> None:
     guest_caps.load()  # ctypes, for the first command's thread to shed CAP_SYS_RESOURCE
 
 
+def _offer_sudo(d: Daemon) -> None:
+    """Listen for ``sudo`` (guest_sudo.py), off the boot's critical path: its imports cost time."""
+    try:
+        if __package__:
+            from . import guest_sudo
+        else:
+            import guest_sudo  # type: ignore[no-redef, import-not-found]
+        guest_sudo.SudoService(d).start()
+    except Exception as exc:  # a sandbox without sudo still serves everything else
+        log(f"sudo: not offered: {type(exc).__name__}: {exc}")
+
+
 def op_hello(d: Daemon, rid: Any, h: Header, payload: bytes) -> Header:
     return {"version": VERSION, "boot_ms": d.boot_ms, "uptime": time.monotonic() - _T0,
             "last_activity": d.last_activity, "running": d.running(), "pid": os.getpid()}
@@ -345,6 +357,8 @@ def main() -> None:
         if outcome not in ("none", "present", "added", "created"):
             log(f"egress CA not added to the system bundle ({outcome})")
     d.announce()
+    if os.getpid() == 1:
+        threading.Thread(target=_offer_sudo, args=(d,), name="sudo-start", daemon=True).start()
     if os.getpid() != 1:
         import signal
 

@@ -23,6 +23,7 @@ else:  # top-level inside the sandbox: daemon.py put this directory on sys.path
 
 TYPE_CHECKING = False  # type checkers read it as true; importing typing costs boot time (see daemon.py)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from .guest_base import Header
@@ -119,6 +120,8 @@ class ProcessTable:
         self.children = threading.Event()
         self.commands: dict[str, Command] = {}
         self.by_pid: dict[int, Command] = {}
+        #: Children that are not commands (sudo's): the reaper hands each its exit code.
+        self.watched: dict[int, tuple[Any, Callable[[int], None]]] = {}
         self.exited: deque[str] = deque()
         self.last_activity = time.time()
         self.pump: Pump | None = None
@@ -218,8 +221,19 @@ class ProcessTable:
                 continue
             with self.spawn_lock:  # a pid is registered before its spawn lock is released
                 cmd = self.by_pid.pop(pid, None)
+                watched = self.watched.pop(pid, None) if cmd is None else None
             if cmd is not None:
                 self.on_reaped(cmd, status)
+            elif watched is not None:
+                proc, on_exit = watched
+                code = os.waitstatus_to_exitcode(status)
+                proc.returncode = code  # keeps subprocess from ever waiting on this pid itself
+                on_exit(code)
+
+    def watch_pid(self, pid: int, proc: Any, on_exit: Callable[[int], None]) -> None:
+        """Hand ``pid``'s exit code to ``on_exit`` (on the reaper's thread: it must not block).
+        Call with ``spawn_lock`` held, as the pid's spawn does, after :meth:`ensure_threads`."""
+        self.watched[pid] = (proc, on_exit)
 
     def on_reaped(self, cmd: Command, status: int) -> None:
         code = os.waitstatus_to_exitcode(status)

@@ -31,12 +31,21 @@ def test_instructions_in_order() -> None:
     assert spec["start"] == {"cmd": "serve", "ready": {"cmd": "true"}}
     first, second, third = spec["run"]
     assert first == 'cd "$HOME"\necho first'  # no WORKDIR yet: the user's home, as E2B's builds (and COPY)
-    assert second.startswith("su -s /bin/sh user -c ")
+    assert second.startswith("if ! id -u user >/dev/null 2>&1; then echo ")
+    assert "\nsu -s /bin/sh user -c " in second
     assert third == "export A='1 2'\nexport B='x'\"'\"'y'\nmkdir -p /srv/app && cd /srv/app\necho third"
     # The scripts are what sh runs: the environment and directory reach the command.
     out = subprocess.run(["/bin/sh", "-c", third.replace("/srv/app", "/tmp/space-e2b-steps").replace(
         "echo third", 'echo "$A|$B|$(pwd)"')], capture_output=True, text=True, check=True).stdout
     assert out == "1 2|x'y|/tmp/space-e2b-steps\n"
+
+
+def test_a_run_as_a_user_that_does_not_exist_fails_in_envds_words() -> None:
+    """E2B's SDK users (and its test_run_command_as_user_that_does_not_exist) match on envd's words."""
+    (step,) = spec_of(start(steps=[{"type": "RUN", "args": ["whoami", "root123"]}]))["run"]
+    r = subprocess.run(["/bin/sh", "-c", step], capture_output=True, text=True)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == "failed to run command 'whoami': command failed: unauthenticated: invalid username: 'root123'\n"
 
 
 def test_copies_keep_their_place_and_context() -> None:

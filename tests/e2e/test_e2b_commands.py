@@ -40,6 +40,31 @@ def test_python_is_there_as_agent_code_calls_it(sbx: e2b.Sandbox) -> None:
     assert (r.exit_code, r.stdout) == (0, "3\n")
 
 
+def test_sudo_as_on_e2b_through_the_guest_daemon(sbx: e2b.Sandbox) -> None:
+    """E2B's base lets its user ``sudo`` without a password; setuid binaries do not work in gVisor,
+    so SPACE's ``sudo`` asks the guest daemon (space/guest/guest_sudo.py), which checks who asks."""
+    r = sbx.commands.run("sudo whoami; sudo -u nobody id -un; sudo sh -c 'echo $HOME $SUDO_USER'; whoami")
+    assert r.stdout == "root\nnobody\n/root user\nuser\n"
+    # E2B's test_bash_command_scoped_env_vars: the command's env stays with it.
+    assert sbx.commands.run("echo $FOO", envs={"FOO": "bar"}).stdout == "bar\n"
+    r = sbx.commands.run('sudo echo "$FOO"')
+    assert (r.exit_code, r.stdout) == (0, "\n")
+    with pytest.raises(e2b.CommandExitException) as info:
+        sbx.commands.run("cd /tmp && echo piped | sudo tee /root/from-user >/dev/null && sudo cat /root/from-user "
+                         "&& sudo pwd && sudo sh -c 'exit 9'")
+    assert (info.value.exit_code, info.value.stdout) == (9, "piped\n/tmp\n")
+    # Only the template's user (group sudo) and root: another user is refused, and nothing runs.
+    sbx.commands.run("useradd -m bob", user="root")
+    with pytest.raises(e2b.CommandExitException) as info:
+        sbx.commands.run("sudo touch /root/by-bob", user="bob")
+    assert info.value.exit_code == 1 and "bob is not in the sudoers file" in info.value.stderr
+    assert not sbx.files.exists("/root/by-bob")
+    # A paused and resumed sandbox (a restored daemon) still answers.
+    sbx.pause()
+    sbx.connect()
+    assert sbx.commands.run("sudo id -u").stdout == "0\n"
+
+
 def test_run_special_characters_multiline_and_broken_utf8(sbx: e2b.Sandbox) -> None:
     assert sbx.commands.run('echo "!@#$%^&*()_+"').stdout == "!@#$%^&*()_+\n"
     assert sbx.commands.run('echo "Hello,\nWorld!"').stdout == "Hello,\nWorld!\n"

@@ -53,12 +53,19 @@ PIP_ENV: Final = {
 # from a spec.
 BASE_CONFIGURE: Final = r"""
 set -eu
-user="$1" home="$2" uid="$3"
+user="$1" home="$2" sudo="$3" uid="$4"
 if ! getent passwd "$user" >/dev/null; then
     useradd --create-home --home-dir "$home" --shell /bin/bash --uid "$uid" --user-group "$user"
 fi
 mkdir -p "$home"
 chown "$user:$user" "$home"
+# sudo through the guest daemon (space/guest/guest_sudo.py): setuid binaries do not work in a
+# sandbox. The template's user may, as group sudo's members may on Debian (without a password).
+if [ "$sudo" = sudo ]; then
+    getent group sudo >/dev/null || groupadd --system sudo
+    usermod --append --groups sudo "$user"
+    if [ ! -e /usr/bin/sudo ]; then ln -s /opt/space/guest/sudo /usr/bin/sudo; fi
+fi
 # Mount point for the guest agent, bound in by the runtime.
 mkdir -p /opt/space/guest
 # Identity and name resolution are per sandbox (the runtime provides them), not per template;
@@ -230,8 +237,8 @@ class Script:
 
 
 SCRIPTS: Final[dict[str, Script]] = {
-    "base_configure": Script(BASE_CONFIGURE, _args_of(2, fullmatch(_USER), is_home), "user, home", "configure",
-                             base=True, extra=(str(USER_UID),)),
+    "base_configure": Script(BASE_CONFIGURE, _args_of(3, fullmatch(_USER), is_home, lambda v: v in ("", "sudo")),
+                             "user, home, 'sudo' or ''", "configure", base=True, extra=(str(USER_UID),)),
     "base_clean": Script(BASE_CLEAN, _args_of(0), "no arguments", "clean", base=True),
     "configure": Script(CONFIGURE, _args_of(2, lambda v: not v or _USER.fullmatch(v) is not None,
                                             lambda v: not v or is_abs_path(v)),

@@ -28,6 +28,8 @@ log = structlog.get_logger(__name__)
 #: Holds the digest of the sources a directory was prepared from.
 STAMP = ".prepared"
 SPAWN_SOURCE, SPAWN = "spawn.c", "space-spawn"
+#: The sandbox's ``sudo`` (the base template's /usr/bin/sudo links to it): a script, executable.
+SUDO = "sudo"
 
 
 def package_dir() -> Path:
@@ -35,7 +37,7 @@ def package_dir() -> Path:
 
 
 def _sources(d: Path) -> list[Path]:
-    return sorted([*d.glob("*.py"), d / SPAWN_SOURCE])
+    return sorted([*d.glob("*.py"), d / SPAWN_SOURCE, d / SUDO])
 
 
 def sources_digest(d: Path) -> str:

@@ -359,11 +359,13 @@ def with_instructions(spec: dict[str, Any], *, run: Sequence[str | dict[str, str
 
 
 def in_context(cmd: str, env: dict[str, str], workdir: str | None, user: str | None, *,
-               home_default: bool = False) -> str:
+               home_default: bool = False, missing_user: str | None = None) -> str:
     """A ``run`` step (``/bin/sh -c``) that runs ``cmd`` as a Dockerfile's RUN does after the ENV,
     WORKDIR and USER before it: with ``env`` exported, in ``workdir`` (made if missing), as ``user``
     (``su``; root otherwise). Without a workdir it runs in ``/`` as Docker's does, or with
-    ``home_default`` in the user's home, as E2B's builds do (where a relative COPY lands too)."""
+    ``home_default`` in the user's home, as E2B's builds do (where a relative COPY lands too).
+    ``missing_user``: what the step says (its last line, the build's error) when ``user`` does not
+    exist (else su's own words)."""
     lines = [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     if workdir:
         lines.append(f"mkdir -p {shlex.quote(workdir)} && cd {shlex.quote(workdir)}")
@@ -372,7 +374,11 @@ def in_context(cmd: str, env: dict[str, str], workdir: str | None, user: str | N
     lines.append(cmd)
     script = "\n".join(lines)
     if user and user != "root":
-        return f"su -s /bin/sh {shlex.quote(user)} -c {shlex.quote(script)}"
+        su = f"su -s /bin/sh {shlex.quote(user)} -c {shlex.quote(script)}"
+        if missing_user is None:
+            return su
+        return (f"if ! id -u {shlex.quote(user)} >/dev/null 2>&1; then echo {shlex.quote(missing_user)} >&2; "
+                f"exit 1; fi\n{su}")
     return script
 
 

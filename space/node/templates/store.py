@@ -89,6 +89,8 @@ BASE_SPEC: Final[dict[str, Any]] = {
     "packages": ["python3", "python-is-python3", "bash", "coreutils", "procps", "git", "curl", "ca-certificates"],
     "user": "user",
     "home": "/home/user",
+    # The user may sudo (through the guest daemon: space/guest/guest_sudo.py), as on E2B's base.
+    "sudo": True,
 }
 
 Progress = Callable[[str], Awaitable[None]]
@@ -150,6 +152,8 @@ def validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
         or not re.fullmatch(r"[A-Za-z0-9._/-]+", home)
     ):
         raise bad("home", "must be a normalized absolute path")
+    if not isinstance(spec.get("sudo", False), bool):
+        raise bad("sudo", "must be true or false")
     template_spec.check_build_fields(spec)
     return spec
 
@@ -641,8 +645,10 @@ async def debootstrap_builder(spec: dict[str, Any], target: Path, cache_dir: Pat
         raise RuntimeFailure(f"debootstrap failed (exit {rc})", work=work, suite=spec["suite"], returncode=rc,
                              output=tail)
 
-    await emit(f"[2/4] configure: user {spec['user']} (uid {USER_UID}), {spec['home']}, /opt/space/guest")
+    sudo = spec.get("sudo") is True
+    await emit(f"[2/4] configure: user {spec['user']} (uid {USER_UID}{', sudo' if sudo else ''}), {spec['home']}, "
+               "/opt/space/guest")
     await pool.priv.call("template.script", {"work": work, "script": "base_configure",
-                                             "args": [spec["user"], spec["home"]]})
+                                             "args": [spec["user"], spec["home"], "sudo" if sudo else ""]})
     await emit("[3/4] clean apt lists and caches")
     await pool.priv.call("template.script", {"work": work, "script": "base_clean"}, timeout=300)
