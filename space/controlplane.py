@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 import uvicorn
@@ -38,6 +38,9 @@ from space.objstore import ObjectStore
 from space.store import Store, quotas
 from space.store.db import normalize_url
 from space.store.wakeups import LocalWakeups
+
+if TYPE_CHECKING:
+    from space.api.state import AppState
 
 log = structlog.get_logger("space.controlplane")
 
@@ -145,9 +148,7 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
     """One API replica: stateless, no node of its own; readiness at ``/readyz``."""
     from space.api.app import create_app
     from space.api.state import AppState
-    from space.api.templates import queue_build
     from space.egress_policy import parse_ceiling, parse_sandbox_network
-    from space.errors import NotFound
     from space.httpserver import BoundedHttp
     from space.web import GracefulServer
 
@@ -163,17 +164,7 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
                          sandbox_networks=tuple(parse_sandbox_network(n) for n in settings.sandbox_networks),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
                          cluster_ca=cp.keys.cluster_ca)
-        for name in settings.bootstrap_templates:
-            spec = TEMPLATE_SPECS.get(name)
-            if spec is None:
-                continue
-            try:
-                if (await cp.store.get_template(name)).status == "ready":
-                    continue
-            except NotFound:
-                pass
-            op, _ = await queue_build(state, name, spec, tenant=settings.operator_tenant)
-            log.info("template.bootstrap_build", template=name, operation=op.id)
+        await bootstrap_templates(state, settings.bootstrap_templates, settings.operator_tenant)
         host, _, port = settings.listen.rpartition(":")
         tls = settings.tls_cert_file is not None
         server = GracefulServer(uvicorn.Config(
@@ -186,6 +177,29 @@ async def serve_api(settings: ControlPlaneSettings) -> None:
             await server.serve()
         finally:
             await state.audit.aclose()
+
+
+async def bootstrap_templates(state: AppState, names: Iterable[str], tenant: str) -> None:
+    """Build the configured templates (``base``) that are missing, failed, or ready from another spec
+    than this version's (an upgrade that changed the spec, e.g. base's sudo: the template's digest
+    names its spec, so the old build is not this one)."""
+    from space.api.templates import queue_build
+    from space.errors import NotFound
+    from space.node.templates.store import spec_digest
+
+    for name in names:
+        spec = TEMPLATE_SPECS.get(name)
+        if spec is None:
+            continue
+        try:
+            current = await state.store.get_template(name)
+            if current.status == "ready" and current.digest == spec_digest(spec):
+                continue
+            why = f"{current.status}, {current.digest[:16]}"
+        except NotFound:
+            why = "missing"
+        op, _ = await queue_build(state, name, spec, tenant=tenant)
+        log.info("template.bootstrap_build", template=name, operation=op.id, was=why)
 
 
 async def run_controller(settings: ControlPlaneSettings) -> None:
