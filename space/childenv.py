@@ -40,7 +40,8 @@ _LOGGING: Final = ("SPACE_LOG_LEVEL",)
 _NODE_SETTINGS: Final = ("SPACE_NODE_USER", "SPACE_SSE_KEEPALIVE", "SPACE_GATEWAY_HOSTS_FILE",
                          "SPACE_GATEWAY_UPSTREAM_CA", "SPACE_GATEWAY_UPSTREAM_DNS", "SPACE_GATEWAY_PYTHON",
                          "SPACE_FAILPOINTS", "SPACE_BUILD_MIRRORS", "SPACE_BUILD_EGRESS",
-                         "SPACE_BUILD_REGISTRIES", "SPACE_BUILD_MAX_BYTES")
+                         "SPACE_BUILD_REGISTRIES", "SPACE_BUILD_MAX_BYTES", "SPACE_BUILD_IMAGE_POLICY",
+                         "SPACE_BUILD_SIGNATURES")
 
 #: Per role, the names taken from the parent's environment (when set there).
 ALLOW: Final[Mapping[Role, tuple[str, ...]]] = {

@@ -117,6 +117,13 @@ class NodeSettings:
     #: root helper holds each build tree to it with the pool's quota.
     build_max_bytes: int = dataclasses.field(
         default_factory=lambda: int(os.environ.get("SPACE_BUILD_MAX_BYTES") or DEFAULT_BUILD_MAX_BYTES))
+    #: Which images template builds may pull (``$SPACE_BUILD_IMAGE_POLICY``: a containers-policy.json(5),
+    #: e.g. a registry's images signed by a key; None: any image of a listed registry), and where
+    #: their signatures are (``$SPACE_BUILD_SIGNATURES``: a containers-registries.d(5) directory).
+    build_image_policy: Path | None = dataclasses.field(
+        default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_BUILD_IMAGE_POLICY")) else None)
+    build_signatures: Path | None = dataclasses.field(
+        default_factory=lambda: Path(p) if (p := os.environ.get("SPACE_BUILD_SIGNATURES")) else None)
     #: The deployment's sandbox address range (``--sandbox-network``); this node takes a /20 of it.
     sandbox_network: str = DEFAULT_SANDBOX_NETWORK
     #: Egress rules build steps get beyond the mirrors and PyPI (``$SPACE_BUILD_EGRESS``,
@@ -285,6 +292,7 @@ def helper_context(settings: NodeSettings, pool_root: Path, *, agent: ServiceUse
                          gateway=gateway,
                          agent_uid=agent.uid if agent is not None else None, mirrors=settings.build_mirrors,
                          registries=settings.build_registries, build_max_bytes=settings.build_max_bytes,
+                         image_policy=settings.build_image_policy, signatures=settings.build_signatures,
                          sandbox_network=parse_sandbox_network(settings.sandbox_network))
 
 

@@ -42,7 +42,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness import SPACE, Server, base_template, create_sandbox, own_server, run, wait_operation
-from tests.node.test_helper_oci import auth_registry, push_with_login, registry
+from tests.node.test_helper_oci import Signer, auth_registry, make_signer, push_with_login, registry, signed_only
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.runtime,
@@ -56,10 +56,20 @@ CMD = "echo started-by-image > /tmp/image-cmd; exec sleep infinity"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, registry: str, auth_registry: str) -> Iterator[Server]:
+def signer(tmp_path_factory: pytest.TempPathFactory, registry: str) -> Signer:
+    return make_signer(tmp_path_factory.mktemp("signer"), registry)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, registry: str, auth_registry: str,
+           signer: Signer) -> Iterator[Server]:
     # Docker Hub's names come from the test registry too (a mirror): docker.io itself is not reachable.
     registries = f"http://{registry},http://{auth_registry},docker.io=http://{registry}"
-    with own_server(tmp_path_factory.mktemp("img"), env={"SPACE_BUILD_REGISTRIES": registries}) as srv:
+    # The operator's image policy: images under registry/signed must carry the signer's signature.
+    policy = signed_only(tmp_path_factory.mktemp("policy"), registry, signer.public_key)
+    env = {"SPACE_BUILD_REGISTRIES": registries, "SPACE_BUILD_IMAGE_POLICY": str(policy),
+           "SPACE_BUILD_SIGNATURES": str(signer.registries_d)}
+    with own_server(tmp_path_factory.mktemp("img"), env=env) as srv:
         yield srv
         for manifest in (srv.data_dir / "pool" / "templates").glob("*@*.json"):
             body = json.loads(manifest.read_text())
@@ -159,6 +169,33 @@ def test_an_image_that_cannot_run_the_guest_fails_its_build(server: Server, api:
     op = build_template(api, "team-nopython", image)
     assert op["status"] == "failed"
     assert "has no /usr/bin/python3" in json.dumps(op["error"]), op
+
+
+def test_the_operators_signature_policy(server: Server, api: httpx.Client, buildah: Buildah, registry: str,
+                                       signer: Signer, tmp_path: Path) -> None:
+    """``$SPACE_BUILD_IMAGE_POLICY`` reaches the node's pulls: under ``registry/signed`` an unsigned
+    image's build fails naming the policy, one signed by the operator's key builds."""
+    c = buildah("from", "scratch")
+    mnt = Path(buildah("mount", c))
+    subprocess.run(["cp", "-a", f"{base_template(server)}/.", str(mnt)], check=True)
+    buildah("umount", c)
+    buildah("commit", "--quiet", c, "signed-app:1")
+    buildah("rm", c)
+    buildah("push", "--quiet", "--tls-verify=false", "signed-app:1", f"docker://{registry}/signed/unsigned:1")
+    r = api.post("/v1/templates/unsigned-app/build", json={"spec": {"image": f"{registry}/signed/unsigned:1"}})
+    assert r.status_code == 202, r.text
+    op = wait_operation(api, r.json()["operation"]["id"], timeout=900)
+    assert op["status"] == "failed"
+    assert "refused by this node's image policy" in op["error"]["message"], op["error"]
+    assert "A signature was required" in op["error"]["message"], op["error"]
+
+    layout = tmp_path / "layout"
+    buildah("push", "--quiet", "signed-app:1", f"oci:{layout}:v1")
+    subprocess.run(["skopeo", "--insecure-policy", "--registries.d", str(signer.registries_d), "copy", "--quiet",
+                    "--dest-tls-verify=false", "--sign-by", signer.fingerprint, f"oci:{layout}:v1",
+                    f"docker://{registry}/signed/app:1"], check=True, capture_output=True,
+                   env={"PATH": os.environ["PATH"], "GNUPGHOME": str(signer.home)})
+    assert build_template(api, "signed-app", f"{registry}/signed/app:1")["status"] == "succeeded"
 
 
 def test_a_registry_not_listed_is_refused(api: httpx.Client) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from space.errors import Conflict, InvalidRequest, NotFound, RuntimeFailure
+from space.errors import Conflict, Forbidden, InvalidRequest, NotFound, RuntimeFailure
 from space.node.helper.backend import InProcess
 from space.node.helper.verbs import HelperContext
 from space.node.storage.pool import Pool
@@ -209,6 +209,140 @@ async def test_an_image_larger_than_a_build_may_be_is_not_pulled(btrfs_pool: Poo
         await small.call("template.oci", {"work": rel, "image": image})
     assert os.listdir(root) == []  # nothing pulled, nothing unpacked
     assert not list((btrfs_pool.data_dir / "build-bundles").glob("oci-*"))
+
+
+# -- signature policies -------------------------------------------------------------------------
+
+
+@dataclass
+class Signer:
+    """A GPG key (no passphrase) in a keyring of its own, and where its signatures are stored
+    (a lookaside directory, as a registry's signature server would serve them)."""
+
+    home: Path
+    fingerprint: str
+    public_key: Path
+    registries_d: Path
+
+    def sign_and_push(self, tmp_path: Path, registry: str, repo: str) -> str:
+        """An image pushed as ``registry/repo:v1`` and signed by this key; its name pinned by digest."""
+        layout = tmp_path / f"layout-{uuid.uuid4().hex[:8]}"
+        write_layout(layout, [[Entry("signed", data=repo.encode())]], {})
+        subprocess.run(["skopeo", "--insecure-policy", "--registries.d", str(self.registries_d), "copy", "--quiet",
+                        "--preserve-digests", "--dest-tls-verify=false", "--sign-by", self.fingerprint,
+                        f"oci:{layout}:v1", f"docker://{registry}/{repo}:v1"], check=True, capture_output=True,
+                       env={"PATH": os.environ["PATH"], "GNUPGHOME": str(self.home)})
+        index = json.loads((layout / "index.json").read_text())
+        return f"{registry}/{repo}@{index['manifests'][0]['digest']}"
+
+
+def make_signer(d: Path, registry: str) -> Signer:
+    home = d / "gnupg"
+    home.mkdir(mode=0o700, parents=True)
+    params = d / "key-params"
+    params.write_text("%no-protection\nKey-Type: EDDSA\nKey-Curve: ed25519\nName-Real: SPACE test signer\n"
+                      "Expire-Date: 0\n%commit\n")
+    env = {"PATH": os.environ["PATH"], "GNUPGHOME": str(home)}
+    subprocess.run(["gpg", "--batch", "--gen-key", str(params)], check=True, capture_output=True, env=env)
+    listed = subprocess.run(["gpg", "--batch", "--with-colons", "--list-keys"], check=True, capture_output=True,
+                            text=True, env=env).stdout
+    fingerprint = next(line.split(":")[9] for line in listed.splitlines() if line.startswith("fpr:"))
+    public = d / "signer.gpg"
+    public.write_bytes(subprocess.run(["gpg", "--batch", "--export", fingerprint], check=True, capture_output=True,
+                                      env=env).stdout)
+    sigs, registries_d = d / "signatures", d / "registries.d"
+    sigs.mkdir()
+    registries_d.mkdir()
+    (registries_d / "test.yaml").write_text(f"docker:\n  {registry}:\n    lookaside: file://{sigs}\n"
+                                            f"    lookaside-staging: file://{sigs}\n")
+    return Signer(home, fingerprint, public, registries_d)
+
+
+@pytest.fixture(scope="module")
+def signer(tmp_path_factory: pytest.TempPathFactory, registry: str) -> Signer:
+    return make_signer(tmp_path_factory.mktemp("signer"), registry)
+
+
+def policy_helper(btrfs_pool: Pool, registry: str, policy: Path, signatures: Path | None) -> InProcess:
+    return InProcess(HelperContext(data_dir=btrfs_pool.data_dir, cache_dir=DEFAULT_CACHE_DIR,
+                                   pool_root=btrfs_pool.root, registries=(f"http://{registry}",),
+                                   image_policy=policy, signatures=signatures))
+
+
+def signed_only(tmp_path: Path, registry: str, key: Path) -> Path:
+    """An operator's policy: ``registry/signed/...`` images must be signed by ``key``; others as they are."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({
+        "default": [{"type": "insecureAcceptAnything"}],
+        "transports": {"docker": {f"{registry}/signed": [{"type": "signedBy", "keyType": "GPGKeys",
+                                                            "keyPath": str(key)}]}}}))
+    policy.chmod(0o644)
+    return policy
+
+
+@contextlib.asynccontextmanager
+async def fresh_work(btrfs_pool: Pool, helper: InProcess) -> AsyncIterator[tuple[str, Path]]:
+    """A new empty build (one refused pull ends a build: the next attempt gets its own)."""
+    name = f"build-oci{uuid.uuid4().hex[:8]}@{uuid.uuid4().hex[:16]}"
+    await helper.call("template.begin", {"work": f"tmp/{name}"})
+    try:
+        yield f"tmp/{name}", btrfs_pool.tmp_dir / name
+    finally:
+        await btrfs_pool.delete_subvolume(btrfs_pool.tmp_dir / name)
+
+
+async def test_a_signature_policy_pulls_only_images_signed_by_its_key(
+        btrfs_pool: Pool, registry: str, signer: Signer, tmp_path: Path) -> None:
+    helper = policy_helper(btrfs_pool, registry, signed_only(tmp_path, registry, signer.public_key),
+                           signer.registries_d)
+    # Unsigned, where the policy wants a signature: refused before a layer is copied.
+    unsigned = push(tmp_path, registry, "signed/unsigned", [[Entry("x", data=b"unsigned")]], {})
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        with pytest.raises(Forbidden, match=r"refused by this node's image policy .*A signature was required"):
+            await helper.call("template.oci", {"work": rel, "image": unsigned})
+        assert os.listdir(root) == []
+    # Signed by another key: refused too.
+    other = make_signer(tmp_path / "other", registry)
+    (other.registries_d / "test.yaml").write_text((signer.registries_d / "test.yaml").read_text())
+    forged = other.sign_and_push(tmp_path, registry, "signed/forged")
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        with pytest.raises(Forbidden, match=r"refused by this node's image policy"):
+            await helper.call("template.oci", {"work": rel, "image": forged})
+        assert os.listdir(root) == []
+    # Signed by the key: pulled and unpacked.
+    image = signer.sign_and_push(tmp_path, registry, "signed/app")
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        res = await helper.call("template.oci", {"work": rel, "image": image})
+        assert res["digest"] == image.rpartition("@")[2]
+        assert (root / "signed").read_bytes() == b"signed/app"
+    assert not list((btrfs_pool.data_dir / "build-bundles").glob("oci-*"))
+
+
+async def test_an_image_outside_the_policys_scope_is_pulled_as_before(
+        btrfs_pool: Pool, registry: str, signer: Signer, tmp_path: Path) -> None:
+    helper = policy_helper(btrfs_pool, registry, signed_only(tmp_path, registry, signer.public_key), None)
+    image = push(tmp_path, registry, "open/app", [[Entry("open", data=b"unsigned is fine here")]], {})
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        await helper.call("template.oci", {"work": rel, "image": image})
+        assert (root / "open").read_bytes() == b"unsigned is fine here"
+
+
+async def test_a_policy_others_could_change_is_not_used(
+        btrfs_pool: Pool, registry: str, signer: Signer, tmp_path: Path) -> None:
+    policy = signed_only(tmp_path, registry, signer.public_key)
+    image = push(tmp_path, registry, "signed/anything", [[Entry("x")]], {})
+    helper = policy_helper(btrfs_pool, registry, policy, None)
+    policy.chmod(0o666)  # anyone could loosen it: the helper decides nothing with it
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        with pytest.raises(Forbidden, match=r"must be root's and writable by no one else"):
+            await helper.call("template.oci", {"work": rel, "image": image})
+        assert os.listdir(root) == []
+    policy.chmod(0o644)
+    policy.write_text("[]")
+    async with fresh_work(btrfs_pool, helper) as (rel, root):
+        with pytest.raises(Forbidden, match=r"not a containers-policy.json"):
+            await helper.call("template.oci", {"work": rel, "image": image})
+        assert os.listdir(root) == []
 
 
 class Lines(list[str]):

@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from space.egress_policy import DEFAULT_SANDBOX_NETWORK, parse_sandbox_network
-from space.errors import InvalidRequest
+from space.errors import InvalidRequest, SpaceError
 from space.node.helper import build_sandbox, verbs
 from space.node.helper.rpc import serve
 from space.node.helper.verbs import DEFAULT_BUILD_MAX_BYTES, GatewayConfig, HelperContext
@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(http:// for one without TLS; repeatable; default none)")
     p.add_argument("--build-max-bytes", type=_positive, default=DEFAULT_BUILD_MAX_BYTES,
                    help="what one template build may write into its tree, in bytes (default 32 GiB)")
+    p.add_argument("--image-policy", type=Path, default=None,
+                   help="a containers-policy.json(5) images are pulled under (default: any image of a listed "
+                        "registry); root's, not writable by others")
+    p.add_argument("--signatures", type=Path, default=None,
+                   help="a containers-registries.d(5) directory: where images' signatures are")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit with this process (the node agent that started the helper)")
     p.add_argument("--stop-fd", type=int, default=None,
@@ -140,9 +145,20 @@ async def _main(args: argparse.Namespace) -> None:
                         guest_dir=args.guest_dir, gateway_ports=args.gateway_ports, runsc=args.runsc,
                         agent_uid=args.agent_uid, gateway=args.gateway_config, mirrors=tuple(args.mirror),
                         registries=tuple(args.registry), sandbox_network=args.sandbox_network,
-                        build_max_bytes=args.build_max_bytes,
+                        build_max_bytes=args.build_max_bytes, image_policy=args.image_policy,
+                        signatures=args.signatures,
                         # once, at the start: a host whose cgroups cannot hold sandboxes stops here
                         cgroups=cgroups.host())
+    if ctx.image_policy is not None or ctx.signatures is not None:
+        # A policy the helper cannot use stops it here, not at the first build's pull.
+        from space.node.helper import verbs_oci
+
+        try:
+            verbs_oci.image_policy(ctx)
+            if ctx.signatures is not None:
+                verbs_oci.signatures_dir(ctx, "")
+        except SpaceError as exc:
+            raise SystemExit(f"space helper: {exc.message}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     supervised = args.stop_fd is not None or args.parent_pid is not None

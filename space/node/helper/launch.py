@@ -91,6 +91,10 @@ class HelperProcess:
         for registry in c.registries:
             argv += ["--registry", registry]
         argv += ["--build-max-bytes", str(c.build_max_bytes)]
+        if c.image_policy is not None:
+            argv += ["--image-policy", str(c.image_policy)]
+        if c.signatures is not None:
+            argv += ["--signatures", str(c.signatures)]
         return argv
 
     async def start(self, *, timeout: float = 30.0) -> HelperClient:

@@ -93,6 +93,10 @@ class HelperContext:
     #: held by the pool's quota on the build's subvolume; an image whose layers are larger than
     #: this (compressed) is refused before it is pulled.
     build_max_bytes: int = DEFAULT_BUILD_MAX_BYTES
+    #: The containers-policy.json(5) images are pulled under (None: any image of a listed registry)
+    #: and the containers-registries.d(5) directory saying where their signatures are.
+    image_policy: Path | None = None
+    signatures: Path | None = None
     #: The deployment's sandbox address range; this node takes a /20 of it (net.setup).
     sandbox_network: ipaddress.IPv4Network = field(
         default_factory=lambda: ipaddress.IPv4Network(DEFAULT_SANDBOX_NETWORK))

@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import structlog
 
-from space.errors import Conflict, InvalidRequest, RuntimeFailure
+from space.errors import Conflict, Forbidden, InvalidRequest, RuntimeFailure
 from space.node.helper import privileged
 from space.node.helper.verbs import Call, HelperContext, check, verb
 from space.node.helper.verbs_template import _BUILDS, BUILD_XATTR, FIRST_STAGE, _exclusive, _open_work, is_work
@@ -62,6 +62,8 @@ MAX_MANIFEST: Final = 4 << 20
 MAX_CONFIG: Final = 4 << 20
 #: The helper's trust policy: the digest pins the content (signature policies: not yet).
 POLICY: Final = json.dumps({"default": [{"type": "insecureAcceptAnything"}]})
+#: The most an operator's image policy may be.
+MAX_POLICY: Final = 1 << 20
 TAG: Final = "space"
 #: skopeo and umoci get nothing of the helper's environment (no proxy, no auth file location).
 ENV: Final = {"LC_ALL": "C.UTF-8"}
@@ -218,7 +220,7 @@ async def template_oci(ctx: HelperContext, args: OciArgs, call: Call) -> dict[st
 
                 auth = _auth_file(stage, call)
                 await _check_size(pulled, m["digest"], source, auth, ctx.build_max_bytes)
-                await _pull(stage, pulled, source, auth, line, tail)
+                await _pull(stage, pulled, source, auth, line, tail, signatures_dir(ctx, stage))
                 manifest, config = await asyncio.to_thread(_read_image, stage, m["digest"])
                 await call.line(f"unpacking {len(manifest['layers'])} layer(s)")
                 await _unpack(fd, stage, line, tail)
@@ -267,19 +269,80 @@ def _staging(ctx: HelperContext) -> str:
     os.chmod(parent, 0o700)
     stage = parent / f"oci-{secrets.token_hex(8)}"
     stage.mkdir(mode=0o700)
-    (stage / "policy.json").write_text(POLICY)
+    (stage / "policy.json").write_bytes(image_policy(ctx))
+    (stage / "registries.d").mkdir(mode=0o700)  # none of the host's (/etc/containers/registries.d)
     return str(stage)
 
 
+def _root_only(fd: int, path: object, what: str) -> os.stat_result:
+    """The file at ``fd`` (``path``, for the message), if only root can change it (as sshd asks of
+    its configuration): root decides with it, so no one else may write it."""
+    st = os.fstat(fd)
+    if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Forbidden(f"{what} {path} must be root's and writable by no one else "
+                        f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})", path=str(path))
+    return st
+
+
+def image_policy(ctx: HelperContext) -> bytes:
+    """The containers-policy.json(5) an image is pulled under: the operator's (read anew for each
+    pull, checked: root's alone, at most :data:`MAX_POLICY` bytes, a JSON object with a default),
+    else any image of a listed registry."""
+    if ctx.image_policy is None:
+        return POLICY.encode()
+    try:
+        fd = os.open(ctx.image_policy, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Forbidden(f"the image policy {ctx.image_policy} cannot be read: {exc.strerror}") from None
+    try:
+        st = _root_only(fd, ctx.image_policy, "the image policy")
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_POLICY:
+            raise Forbidden(f"the image policy {ctx.image_policy} must be a file of at most {MAX_POLICY} bytes")
+        data = os.pread(fd, MAX_POLICY + 1, 0)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise Forbidden(f"the image policy {ctx.image_policy} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("default"), list):
+        raise Forbidden(f"the image policy {ctx.image_policy} is not a containers-policy.json(5) "
+                        "(an object with a \"default\" list)")
+    return data
+
+
+def signatures_dir(ctx: HelperContext, stage: str) -> str:
+    """The containers-registries.d(5) directory saying where signatures are: the operator's
+    (root's alone), else an empty one of the stage's."""
+    if ctx.signatures is None:
+        return f"{stage}/registries.d"
+    try:
+        fd = os.open(ctx.signatures, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Forbidden(f"the signatures directory {ctx.signatures} cannot be read: {exc.strerror}") from None
+    try:
+        _root_only(fd, ctx.signatures, "the signatures directory")
+    finally:
+        os.close(fd)
+    return str(ctx.signatures)
+
+
 async def _pull(stage: str, image: str, source: Source, auth: str, line: privileged.LineCallback,
-                tail: deque[str]) -> None:
-    argv = ["skopeo", "--policy", f"{stage}/policy.json", "copy", "--quiet", "--preserve-digests",
-            "--retry-times", "2", f"--src-tls-verify={source.tls}",
+                tail: deque[str], signatures: str) -> None:
+    """skopeo copies the image under the stage's policy, which it checks (signatures included)
+    before it copies a layer; the layout keeps none of them (``--remove-signatures``)."""
+    argv = ["skopeo", "--policy", f"{stage}/policy.json", "--registries.d", signatures, "copy", "--quiet",
+            "--preserve-digests", "--remove-signatures", "--retry-times", "2", f"--src-tls-verify={source.tls}",
             f"--src-authfile={auth}",
             f"docker://{image}", f"oci:{stage}/layout:{TAG}"]
     rc = await privileged.stream_lines(*argv, on_line=line, timeout=OCI_CAP, env=ENV)
     if rc != 0:
-        raise RuntimeFailure(f"pulling {image} failed (skopeo exit {rc}): {_last(tail)}", image=image,
+        last = _last(tail)
+        if "Source image rejected" in last:
+            why = last.partition("Source image rejected: ")[2].rstrip('"') or last
+            raise Forbidden(f"{image} is refused by this node's image policy ($SPACE_BUILD_IMAGE_POLICY): {why}",
+                            image=image)
+        raise RuntimeFailure(f"pulling {image} failed (skopeo exit {rc}): {last}", image=image,
                              output="\n".join(tail))
 
 
