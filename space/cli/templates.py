@@ -67,6 +67,9 @@ def build(
     image: Annotated[str | None, typer.Option(
         "--image", help="Build from this container image (registry/repository:tag or @sha256:...), with its "
                         "config as the template's defaults.")] = None,
+    tag: Annotated[list[str] | None, typer.Option(
+        "--tag", "-t", help="Tag the build (repeatable): sandboxes of NAME:TAG start from it while it is "
+                            "current.")] = None,
 ) -> None:
     """Build a template: its log streams to stderr, then its digest is printed on stdout."""
     if sum((builtin, file is not None, image is not None)) > 1:
@@ -83,7 +86,7 @@ def build(
                     output.info(f"uploading {path} ({path.stat().st_size} bytes)")
                     c.templates.put_blob(sha, path.read_bytes())
             spec = parsed.spec
-        op = c.templates.build(name, spec=spec, force=force)
+        op = c.templates.build(name, spec=spec, force=force, tags=tag or None)
         output.info(f"building template {name} (operation {op.id})")
         digest = _follow(c, op.id, name)
     output.line(digest)
@@ -102,6 +105,18 @@ def _dockerfile(file: Path, name: str, context: Path | None, build_args: list[st
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.ValidationFailed(f"cannot read {file}: {exc}", field="file") from None
     return dockerfile.parse(text, (context or file.parent).resolve(), name=name, build_args=args, scratch=scratch)
+
+
+@app.command()
+def tags(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+    """List a template's tags and the build (digest) each names."""
+    with client(ctx) as c:
+        rows = c.templates.tags(name)
+    if as_json:
+        output.print_json(rows)
+        return
+    output.table(["tag", "digest", "build", "tagged"],
+                 [(t.get("tag"), t.get("digest"), t.get("build_id"), t.get("created_at")) for t in rows])
 
 
 @app.command()

@@ -124,6 +124,20 @@ def test_template_build_from_a_dockerfile_or_an_image(fake: FakeAPI, space: Run,
     assert both.exit_code != 0 and "exclude each other" in both.stderr
 
 
+def test_template_tags(fake: FakeAPI, space: Run) -> None:
+    assert space("template", "build", "base", "--force").exit_code == 0
+    assert "tags" not in fake.seen("POST", "/v1/templates/base/build")[-1].json()
+    tagged = space("template", "build", "base", "--image", "r.example.com/x:1", "--tag", "v1", "-t", "prod")
+    assert tagged.exit_code == 0, tagged.stderr
+    assert fake.seen("POST", "/v1/templates/base/build")[-1].json()["tags"] == ["v1", "prod"]
+    listed = space("template", "tags", "base")
+    assert listed.exit_code == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["tag", "digest", "build", "tagged"]
+    assert [r.split()[:2] for r in rows] == [["v1", "sha256:base1"], ["prod", "sha256:base1"]]
+    assert [t["tag"] for t in json.loads(space("template", "tags", "base", "--json").stdout)] == ["v1", "prod"]
+
+
 def test_json_outputs_parse(fake: FakeAPI, space: Run, sandbox_id: str) -> None:
     assert json.loads(space("sandbox", "get", sandbox_id, "--json").stdout) == fake.sandboxes[sandbox_id]
     assert [s["id"] for s in json.loads(space("sandbox", "list", "--json").stdout)] == [sandbox_id]

@@ -170,6 +170,7 @@ class FakeAPI:
         self.commands: dict[str, FakeCommand] = {}
         self.files: dict[str, dict[str, bytes]] = {}
         self.dirs: dict[str, set[str]] = {}
+        self.tags: dict[str, dict[str, JSON]] = {}
         self.templates: dict[str, JSON] = {
             name: {"name": name, "digest": f"sha256:{name}0", "status": "ready", "size_bytes": 1 << 20,
                    "created_at": NOW, "updated_at": NOW}
@@ -211,6 +212,7 @@ class FakeAPI:
         r("GET", r"/v1/templates", lambda rq: _ok({"templates": list(self.templates.values())}))
         r("GET", r"/v1/templates/(?P<name>[^/]+)", lambda rq, name: _ok(self._template(name)))
         r("POST", r"/v1/templates/(?P<name>[^/]+)/build", self.build_template)
+        r("GET", r"/v1/templates/(?P<name>[^/]+)/tags", lambda rq, name: _ok({"tags": self._template_tags(name)}))
         r("POST", r"/v1/apikeys", self.create_apikey)
         r("GET", r"/v1/apikeys", lambda rq: _ok({"apikeys": [
             {k: v for k, v in key.items() if k != "key"} for key in self.apikeys.values()]}))
@@ -512,7 +514,14 @@ class FakeAPI:
                 op["result"] = {"digest": template["digest"]}
 
         op = self._operation("template.build", name, finish)
+        for tag in rq.json().get("tags") or []:
+            self.tags.setdefault(name, {})[tag] = {"tag": tag, "digest": f"sha256:{name}1", "build_id": op["id"],
+                                                   "created_at": NOW}
         return _ok({"template": template, "operation": op}, 202)
+
+    def _template_tags(self, name: str) -> list[JSON]:
+        self._template(name)
+        return list(self.tags.get(name, {}).values())
 
     def create_apikey(self, rq: Seen) -> httpx.Response:
         body = rq.json()

@@ -66,18 +66,25 @@ class Templates:
     def get(self, name: str) -> JSON:
         return self._http.json("GET", f"/v1/templates/{quote(name, safe='')}")
 
-    def build(self, name: str, spec: JSON | None = None, force: bool = False) -> Operation:
+    def build(self, name: str, spec: JSON | None = None, force: bool = False,
+                    tags: builtins.list[str] | None = None) -> Operation:
         """Start a build and return its operation without waiting (follow it with ``operations``).
 
         ``spec`` is a template spec as ``space.node.templates.spec.load`` reads it from a
         ``space-template.toml`` (its files uploaded with :meth:`put_blob` first); without it the
-        template is rebuilt from its stored spec."""
+        template is rebuilt from its stored spec. ``tags`` name the build it makes (``name:tag``)."""
         path = f"/v1/templates/{quote(name, safe='')}/build"
         payload: JSON = {"force": force}
         if spec is not None:
             payload["spec"] = spec
+        if tags:
+            payload["tags"] = builtins.list(tags)
         body = self._http.json("POST", path, json=payload)
         return Operation.from_json(body["operation"])
+
+    def tags(self, name: str) -> builtins.list[JSON]:
+        """The template's tags: ``{"tag", "digest", "build_id", "created_at"}`` each."""
+        return list((self._http.json("GET", f"/v1/templates/{quote(name, safe='')}/tags")).get("tags", []))
 
     def save(self, name: str, sandbox_id: str, snapshot: str | None = None) -> Operation:
         """Save a sandbox as template ``name`` (from ``snapshot``, else from a disk snapshot taken
