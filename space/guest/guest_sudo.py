@@ -327,8 +327,8 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int], bool, set[tuple[int
                 _pid, uid, gid = _CRED.unpack(payload[:_CRED.size])
                 senders.add((uid, gid))
         truncated = truncated or bool(flags & socket.MSG_CTRUNC)
-        if not msg:
-            break
+        if not msg or len(senders) > 1 or not all(may_sudo(uid)[0] for uid, _ in senders):
+            break  # nothing more to read: a caller who may not is answered now, not after its request
         data += msg
         if len(data) > MAX_REQUEST:
             for fd in fds:
