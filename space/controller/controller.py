@@ -52,6 +52,10 @@ from space.store.wakeups import OPERATION_FINISHED, OPERATION_QUEUED, LocalWakeu
 
 log = structlog.get_logger("space.controller")
 
+#: How long after a deadline the policy tick that acts on it runs (the deadline must be past when
+#: the tick reads the clock).
+DEADLINE_SLACK = 0.02
+
 Handler = Callable[[Operation], Awaitable[dict[str, Any] | None]]
 
 #: A sandbox whose runtime dies this often within the window is failed instead of recovered again.
@@ -256,15 +260,23 @@ class Controller:
                     await self.reconcile(heartbeats=False)
                 except SpaceError as exc:
                     log.warning("controller.reconcile_failed", error=str(exc))
-            if now - last_policy >= self.policy_every:
+            if now >= self._next_policy(last_policy):
                 last_policy = now
                 try:
                     if await self.policies.tick():
                         self.wake()  # it queued operations: claim them now
                 except SpaceError as exc:
                     log.warning("controller.policies_failed", error=str(exc))
-            await asyncio.sleep(max(0.05, min(last_reconcile + self.reconcile_every,
-                                              last_policy + self.policy_every) - time.monotonic()))
+            wake_at = min(last_reconcile + self.reconcile_every, self._next_policy(last_policy))
+            await asyncio.sleep(max(0.05, wake_at - time.monotonic()))
+
+    def _next_policy(self, last: float) -> float:
+        """When the next policy tick is due: a period after the last, or just after the nearest
+        deadline the last one saw, whichever comes first."""
+        due = last + self.policy_every
+        if self.policies.next_deadline is not None:
+            due = min(due, self.policies.next_deadline + DEADLINE_SLACK)
+        return due
 
     async def _claim_some(self) -> bool:
         claimed_any = False

@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
+
 from space.controller import NodeRegistry
 from space.controller.policies import Policies
 from space.lifecycle import State
@@ -59,3 +61,29 @@ async def test_the_pause_for_a_timeout_ends_it_in_the_same_write(store: Store) -
     paused = await store.set_sandbox_state(sb.id, State.PAUSED, expect=[State.RUNNING], expires_at=None,
                                            event=("paused", "paused (timeout)", {"reason": "timeout"}))
     assert (paused.state, paused.expires_at) == (State.PAUSED, None)
+
+
+async def test_the_next_tick_is_due_at_the_nearest_deadline(store: Store) -> None:
+    """The leader ticks at the nearest deadline, not only every period: a 3 s timeout acts at 3 s."""
+    import time
+
+    from space.controller import Controller
+
+    now = dt.datetime.now(dt.UTC)
+    for ahead in (30.0, 1.5):
+        sb, _, _ = await store.create_sandbox(new_sandbox(expire_action="pause"), new_op())
+        await store.set_sandbox_state(sb.id, State.RUNNING)
+        await store.update_sandbox(sb.id, expires_at=now + dt.timedelta(seconds=ahead))
+    policies = Policies(store, NodeRegistry(store), Events())  # type: ignore[arg-type]
+    before = time.monotonic()
+    await policies.tick(now)
+    assert policies.next_deadline is not None
+    assert before + 1.4 <= policies.next_deadline <= time.monotonic() + 1.5
+
+    controller = Controller(store, NodeRegistry(store), policy_every=2.0)
+    controller.policies.next_deadline = policies.next_deadline
+    assert controller._next_policy(before) == pytest.approx(policies.next_deadline + 0.02)
+    controller.policies.next_deadline = before + 60  # beyond the period: the period
+    assert controller._next_policy(before) == before + 2.0
+    controller.policies.next_deadline = None
+    assert controller._next_policy(before) == before + 2.0
