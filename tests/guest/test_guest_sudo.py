@@ -161,7 +161,8 @@ def test_signals_reach_the_command_and_a_dead_client_hangs_it_up(sudo: Sudo, soc
         end(pid)
 
     hung, pidfile = sock_dir / "hung-up", sock_dir / "sh.pid"
-    client = sudo.popen("sh", "-c", f"echo $$ > {pidfile}; trap 'echo hup > {hung}; exit 0' HUP; "
+    # The pid is written once the trap is set: the client is killed as soon as it appears.
+    client = sudo.popen("sh", "-c", f"trap 'echo hup > {hung}; exit 0' HUP; echo $$ > {pidfile}; "
                                     "sleep 61 & wait")
     pid = pid_in(pidfile)
     try:

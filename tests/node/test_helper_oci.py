@@ -343,6 +343,7 @@ async def test_a_policy_others_could_change_is_not_used(
         with pytest.raises(Forbidden, match=r"not a containers-policy.json"):
             await helper.call("template.oci", {"work": rel, "image": image})
         assert os.listdir(root) == []
+    assert not list((btrfs_pool.data_dir / "build-bundles").glob("oci-*"))  # no staging left either
 
 
 class Lines(list[str]):

@@ -264,12 +264,13 @@ async def _check_size(image: str, digest: str, source: Source, auth: str, limit:
 
 
 def _staging(ctx: HelperContext) -> str:
+    policy = image_policy(ctx)  # before the directory: a refused policy leaves nothing behind
     parent = ctx.data_dir / "build-bundles"
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(parent, 0o700)
     stage = parent / f"oci-{secrets.token_hex(8)}"
     stage.mkdir(mode=0o700)
-    (stage / "policy.json").write_bytes(image_policy(ctx))
+    (stage / "policy.json").write_bytes(policy)
     (stage / "registries.d").mkdir(mode=0o700)  # none of the host's (/etc/containers/registries.d)
     return str(stage)
 

@@ -465,6 +465,8 @@ def from_toml(doc: dict[str, Any], base_dir: Path, *, name: str | None = None) -
         spec["packages"] = list(base.get("packages", BASE_SPEC["packages"]))
         spec["user"] = check_user(user if user is not None else BASE_SPEC["user"], "build.user")
         spec["home"] = "/root" if spec["user"] == "root" else f"/home/{spec['user']}"
+        if spec["user"] != "root":
+            spec["sudo"] = True  # the user may sudo, as base's may (space/guest/guest_sudo.py)
 
     for key in ("apt", "pip", "run"):
         if build.get(key):
