@@ -32,8 +32,9 @@ CLIENT = Path(__file__).resolve().parents[2] / "space" / "guest" / "sudo"
 CLIENT_PYTHON = "/usr/bin/python3"
 SERVICE = """
 import sys, threading
-from space.guest import guest_sudo
+from space.guest import daemon, guest_sudo
 from space.guest.guest_procs import ProcessTable
+daemon.reset_inherited_signals()  # as the daemon starts: a runner's nohup must not reach the commands
 guest_sudo.MAX_SESSIONS = int(sys.argv[2])
 table = ProcessTable()
 table.ensure_threads()
