@@ -27,10 +27,9 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from space import childenv, objauth, privdrop, serve_state
+from space import childenv, controlplane, objauth, privdrop, serve_state
 from space.api.app import create_app
 from space.api.state import AppState
-from space.api.templates import queue_build
 from space.cluster.identity import ControlPlaneTLS
 from space.cluster.keys import CLUSTER_CA_CERT, CLUSTER_CA_KEY
 from space.cluster.pki import ClusterCA, write_private
@@ -39,7 +38,7 @@ from space.controller import Controller, NodeRegistry
 from space.controlplane import TEMPLATE_SPECS
 from space.credentials import CredentialManager, build_manager
 from space.egress_policy import parse_ceiling, parse_sandbox_network
-from space.errors import NotFound, SpaceError, Unavailable
+from space.errors import SpaceError, Unavailable
 from space.httpserver import BoundedHttp
 from space.kms import KMS_ENV
 from space.node.api.client import NodeClient
@@ -234,21 +233,6 @@ async def heartbeat(client: NodeClient, node: NodeProcess, every: float = 5.0) -
         # Heartbeats proper (capacity, warm pools) are the controller's check_nodes.
 
 
-async def bootstrap_templates(st: AppState, names: tuple[str, ...]) -> None:
-    for name in names:
-        spec = TEMPLATE_SPECS.get(name)
-        if spec is None:
-            continue
-        try:
-            t = await st.store.get_template(name)
-            if t.status == "ready":
-                continue
-        except NotFound:
-            pass
-        op, _ = await queue_build(st, name, spec, tenant="default")
-        log.info("template.bootstrap_build", template=name, operation=op.id)
-
-
 async def seed_warm_pool(st: AppState, data_dir: Path, size: int) -> None:
     """The first start keeps ``size`` warm ``base`` sandboxes; later the pools are the user's."""
     marker = data_dir / "warm-pool.seeded"
@@ -321,7 +305,7 @@ async def serve(settings: ServeSettings) -> None:
                          sandbox_networks=(parse_sandbox_network(settings.sandbox_network),),
                          e2b_domain=settings.e2b_domain.lower() if settings.e2b_domain else None,
                          cluster_ca=cluster_ca)
-        await bootstrap_templates(state, settings.bootstrap_templates)
+        await controlplane.bootstrap_templates(state, settings.bootstrap_templates, "default")
         await seed_warm_pool(state, serve_state.control_dir(settings), settings.warm_pool)
         await controller.push_warm_pools()
 
